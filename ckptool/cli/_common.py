@@ -1,0 +1,56 @@
+"""Helpers shared by the command modules: JSON output, sizes, progress."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from typing import Any
+
+import click
+
+
+def to_jsonable(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_jsonable(v) for v in obj]
+    return obj
+
+
+def echo_json(obj: Any) -> None:
+    click.echo(json.dumps(to_jsonable(obj), indent=2, sort_keys=False))
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def parse_size(text: str) -> int:
+    """'5GB' -> 5_000_000_000, '512MiB' -> 536870912, '1000' -> 1000."""
+    s = text.strip().upper().replace(" ", "")
+    units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40,
+             "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
+    for suffix, mult in units.items():
+        if s.endswith(suffix):
+            num = s[: -len(suffix)]
+            break
+    else:
+        num, mult = s, 1
+    try:
+        value = float(num)
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a size; use e.g. 5GB, 500MB, 2GiB") from None
+    if value <= 0:
+        raise click.BadParameter(f"{text!r}: size must be positive")
+    return int(value * mult)
+
+
+def progress_enabled(json_out: bool) -> bool:
+    return (not json_out) and sys.stderr.isatty()
