@@ -1,0 +1,149 @@
+"""Describe checkpoints: ``inspect`` one (keys, shapes, bytes) and ``list_run`` a run folder.
+
+Both read only ``.metadata``, the manifest and file sizes; no record is opened.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptool.errors import CkptError
+from ckptool.format import manifest as mf
+from ckptool.format.layout import CheckpointDir, list_checkpoints, resolve_checkpoint
+from ckptool.format.metadata import group_of, read_metadata
+from ckptool.ops.validate import validate
+from ckptool.storage import Storage
+
+GROUPS = ("model", "optimizer", "other")
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    fqn: str
+    kind: str                 # "tensor" | "object"
+    dtype: str | None
+    shape: tuple[int, ...] | None
+    chunks: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    name: str
+    size: int
+
+
+@dataclass(frozen=True)
+class Summary:
+    path: str
+    step: int | None
+    world_size: int | None
+    committed: bool
+    total_bytes: int
+    files: tuple[FileInfo, ...]
+    groups: dict[str, tuple[KeyInfo, ...]]
+    manifest: dict[str, Any] | None = None
+
+    def count(self, group: str) -> int:
+        return len(self.groups.get(group, ()))
+
+    def group_bytes(self, group: str) -> int:
+        return sum(k.bytes for k in self.groups.get(group, ()))
+
+
+def inspect(path: str | os.PathLike[str]) -> Summary:
+    """Summarise one committed checkpoint.
+
+    Args:
+        path: checkpoint folder (local or fsspec URL).
+
+    Returns:
+        ``Summary`` with every key grouped into model / optimizer / other.
+
+    Raises:
+        CheckpointNotFoundError, IncompleteCheckpointError, CorruptCheckpointError.
+
+    Example:
+        >>> s = inspect("runs/demo/step_40"); s.world_size, s.count("model")
+    """
+    ckpt = resolve_checkpoint(path)
+    groups: dict[str, list[KeyInfo]] = {g: [] for g in GROUPS}
+    files: list[FileInfo] = []
+    world_size = None
+    man: mf.Manifest | None = None
+    for part in ckpt.parts:
+        st = ckpt.part(part)
+        meta = read_metadata(st)
+        world_size = world_size or meta.world_size
+        prefix = f"{part}/" if part else ""
+        files += [FileInfo(prefix + e.name, e.size) for e in st.listdir() if not e.is_dir]
+        has_model = any(k.startswith("model.") for k in meta.tensors)
+        for t in meta.tensors.values():
+            g = group_of(t.fqn, has_model_prefix=has_model)
+            groups[g].append(KeyInfo(t.fqn, "tensor", t.dtype.name, t.shape, len(t.chunks), t.nbytes))
+        for o in meta.objects.values():
+            g = group_of(o.fqn, has_model_prefix=has_model)
+            groups[g].append(KeyInfo(o.fqn, "object", None, None, 1,
+                                     o.storage.length if o.storage else 0))
+        man = man or _manifest(st)
+    step = ckpt.step if ckpt.step is not None else (man.step if man else None)
+    return Summary(
+        path=ckpt.url, step=step, world_size=world_size or (man.world_size if man else None),
+        committed=ckpt.committed, total_bytes=sum(f.size for f in files), files=tuple(files),
+        groups={g: tuple(v) for g, v in groups.items()},
+        manifest=None if man is None else {"step": man.step, "world_size": man.world_size,
+                                           "loss": man.loss, "config": man.config},
+    )
+
+
+def _manifest(st: Storage) -> mf.Manifest | None:
+    try:
+        return mf.read_manifest(st)
+    except CkptError:
+        return None
+
+
+@dataclass(frozen=True)
+class RunEntry:
+    name: str
+    path: str
+    step: int | None
+    status: str               # "complete" | "incomplete" | "invalid"
+    world_size: int | None
+    bytes: int
+    mtime: float | None
+    latest_good: bool = False
+    problems: tuple[str, ...] = field(default=())
+
+
+def list_run(run: str | os.PathLike[str]) -> list[RunEntry]:
+    """Every checkpoint in a run folder with its status; the newest complete one is marked.
+
+    "complete" means committed and structurally valid (``validate`` without ``deep``).
+
+    Example:
+        >>> [e.name for e in list_run("runs/demo") if e.status == "complete"]
+    """
+    entries = [_entry(c) for c in list_checkpoints(run)]
+    good = [i for i, e in enumerate(entries) if e.status == "complete"]
+    if good:
+        i = good[-1]
+        e = entries[i]
+        entries[i] = RunEntry(e.name, e.path, e.step, e.status, e.world_size, e.bytes, e.mtime,
+                              True, e.problems)
+    return entries
+
+
+def _entry(ckpt: CheckpointDir) -> RunEntry:
+    files = [f for p in ckpt.parts for f in ckpt.part(p).listdir() if not f.is_dir] \
+        if ckpt.storage.exists() else []
+    size = sum(f.size for f in files)
+    mtime = max((f.mtime or 0 for f in files), default=None) or None
+    if not ckpt.committed:
+        return RunEntry(ckpt.name, ckpt.url, ckpt.step, "incomplete", None, size, mtime)
+    report = validate(ckpt)
+    status = "complete" if report.ok else "invalid"
+    return RunEntry(ckpt.name, ckpt.url, ckpt.step, status, report.world_size, size, mtime,
+                    problems=tuple(f.message for f in report.errors))
