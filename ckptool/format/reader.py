@@ -1,0 +1,127 @@
+"""One open DCP checkpoint for byte-moving ops: locate and read chunks, files opened once.
+
+``CheckpointReader`` is the single walk over chunk bytes that consolidate and reshard share.
+Row-block chunks are contiguous in the full tensor, so callers can copy them file-to-file
+using ``locate()`` (absolute offset + length in an open file); everything else goes through
+``read_chunk()``, which returns row-major bytes of one chunk (bounded by that chunk's size).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ckptool.errors import CorruptCheckpointError
+from ckptool.format.items import RecordReader, TensorLocation, contiguous_strides
+from ckptool.format.metadata import CheckpointMetadata, Chunk, StorageRef, TensorEntry, read_metadata
+from ckptool.storage import RangeReader, Storage
+
+
+@dataclass(frozen=True)
+class ChunkBytes:
+    """Where one chunk's row-major bytes are: ``reader`` file, ``[start, start + nbytes)``."""
+
+    chunk: Chunk
+    location: TensorLocation
+    reader: RangeReader
+
+    @property
+    def start(self) -> int:
+        return self.location.start
+
+    @property
+    def nbytes(self) -> int:
+        return self.location.nbytes
+
+
+class CheckpointReader:
+    """Read access to one DCP folder. Use as a context manager.
+
+    Example:
+        >>> with CheckpointReader(Storage.open("runs/demo/step_40")) as ck:
+        ...     t = ck.meta.tensors["model.head.weight"]
+        ...     data = b"".join(ck.read_chunk(t, c) for c in t.chunks)
+    """
+
+    def __init__(self, storage: Storage, meta: CheckpointMetadata | None = None) -> None:
+        self.storage = storage
+        self.meta = meta if meta is not None else read_metadata(storage)
+        self._readers: dict[str, RangeReader] = {}
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for r in self._readers.values():
+            r.close()
+        self._readers.clear()
+
+    def reader(self, rel: str) -> RangeReader:
+        r = self._readers.get(rel)
+        if r is None:
+            r = self._readers[rel] = RangeReader(self.storage, rel)
+        return r
+
+    def record(self, ref: StorageRef, fqn: str) -> RecordReader:
+        where = f"{self.storage.url_of(ref.relative_path)} (item {fqn})"
+        return RecordReader(self.reader(ref.relative_path), ref, where)
+
+    def locate(self, t: TensorEntry, chunk: Chunk) -> ChunkBytes:
+        """Find the chunk's tensor inside its record and check it matches the index."""
+        if chunk.storage is None:
+            raise CorruptCheckpointError(
+                f"{self.storage.url}: {t.fqn} chunk at {list(chunk.offsets)} has no storage entry",
+                path=self.storage.url, hint="Run 'ckptool validate' for details")
+        rec = self.record(chunk.storage, t.fqn)
+        loc = rec.tensor()
+        if loc.dtype != t.dtype or loc.shape != chunk.sizes:
+            raise CorruptCheckpointError(
+                f"{rec.where}: record holds {loc.dtype} {list(loc.shape)}, index declares "
+                f"{t.dtype} {list(chunk.sizes)}", path=rec.where,
+                hint="Run 'ckptool validate --deep' for details")
+        return ChunkBytes(chunk, loc, rec.reader)
+
+    def read_chunk(self, t: TensorEntry, chunk: Chunk) -> bytes:
+        """The chunk's elements as row-major bytes (handles strided records too)."""
+        cb = self.locate(t, chunk)
+        loc = cb.location
+        if loc.contiguous:
+            data = cb.reader.pread(loc.start, loc.nbytes)
+            if len(data) != loc.nbytes:
+                raise CorruptCheckpointError(f"{self.storage.url}: {t.fqn} is cut short",
+                                             path=self.storage.url)
+            return data
+        return _gather_strided(cb)
+
+    def object_bytes(self, fqn: str) -> bytes:
+        """The raw record of a non-tensor value (a complete ``torch.save`` archive)."""
+        ref = self.meta.objects[fqn].storage
+        if ref is None:
+            raise CorruptCheckpointError(f"{self.storage.url}: {fqn} has no storage entry",
+                                         path=self.storage.url)
+        data = self.reader(ref.relative_path).pread(ref.offset, ref.length)
+        if len(data) != ref.length:
+            raise CorruptCheckpointError(f"{self.storage.url}: {fqn} is cut short",
+                                         path=self.storage.url)
+        return data
+
+
+def _gather_strided(cb: ChunkBytes) -> bytes:
+    """Copy a non-contiguous view out of its storage into row-major order (numpy, no torch)."""
+    import numpy as np
+
+    loc = cb.location
+    item = loc.dtype.itemsize
+    span = 1 + sum((d - 1) * s for d, s in zip(loc.shape, loc.strides)) if loc.numel else 0
+    raw = cb.reader.pread(loc.start, span * item)
+    if len(raw) != span * item:
+        raise CorruptCheckpointError("record is cut short", path=str(cb.reader.rel))
+    buf = np.frombuffer(raw, dtype=np.dtype(f"V{item}"))
+    view = np.lib.stride_tricks.as_strided(
+        buf, shape=loc.shape, strides=tuple(s * item for s in loc.strides))
+    out = np.ascontiguousarray(view)
+    assert out.strides == tuple(s * item for s in contiguous_strides(loc.shape)) or math.prod(loc.shape) <= 1
+    return out.tobytes()
