@@ -93,12 +93,14 @@ def classify(storage: Storage, entries: list[Entry] | None = None) -> Checkpoint
     return None
 
 
-def resolve_checkpoint(path: str | os.PathLike[str]) -> CheckpointDir:
+def resolve_checkpoint(path: str | os.PathLike[str], *, latest_in_run: bool = True) -> CheckpointDir:
     """Open ``path`` as one checkpoint (committed or not).
 
+    A run folder (one holding ``step_N`` folders) stands for its newest committed checkpoint
+    when ``latest_in_run`` is true, so ``ckptool validate runs/demo`` checks the latest save.
+
     Raises:
-        CheckpointNotFoundError: the path is missing or is no checkpoint (a run folder is
-            pointed at its latest step in the message).
+        CheckpointNotFoundError: the path is missing or holds no checkpoint.
     """
     storage = Storage.open(path)
     if not storage.exists():
@@ -116,11 +118,14 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> CheckpointDir:
     if ckpt is not None:
         return ckpt
     found = list_checkpoints(storage, entries)
+    committed = [c for c in found if c.committed]
+    if committed and latest_in_run:
+        return committed[-1]
     if found:
         names = ", ".join(c.name for c in found[-3:])
         raise CheckpointNotFoundError(
-            f"{storage.url} is a run folder, not a checkpoint", path=storage.url,
-            hint=f"Pass one of its checkpoints (latest: {names}) or run 'ckptool ls {storage.url}'",
+            f"{storage.url} is a run folder with no committed checkpoint", path=storage.url,
+            hint=f"Its checkpoints ({names}) are all incomplete; run 'ckptool ls {storage.url}'",
         )
     raise CheckpointNotFoundError(
         f"{storage.url} holds no checkpoint (no .metadata, no *.distcp files)", path=storage.url,

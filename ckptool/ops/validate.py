@@ -22,6 +22,8 @@ from ckptool.format.metadata import CheckpointMetadata, StorageRef, TensorEntry,
 from ckptool.storage import Storage
 
 MAX_GRID_CELLS = 1 << 20
+#: --deep reads records up to this size in one call (fewer syscalls for many small tensors).
+DEEP_PRELOAD = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -281,7 +283,8 @@ class _PartCheck:
                 if ref.offset + ref.length > size:
                     continue  # already reported as truncated
                 try:
-                    rec = RecordReader(reader, ref, f"{self.st.url_of(rel)} (item {fqn})")
+                    rec = RecordReader(reader, ref, f"{self.st.url_of(rel)} (item {fqn})",
+                                       preload=DEEP_PRELOAD)
                     if fqn in self.meta.objects:
                         rec.load_object()
                     else:

@@ -1,0 +1,118 @@
+"""Benchmark ``ckptool validate`` on a synthetic checkpoint of 10,000 tensors in 64 files.
+
+Targets (issue 2): structural validate < 0.3 s of work; ``--deep`` at >= 0.8x the speed of
+``cat`` over the same files. Both are measured in the same run, warm and cold page cache
+(``echo 3 > /proc/sys/vm/drop_caches``, root only), 3 runs each; min/median/max reported.
+
+Usage:
+    python bench/validate_bench.py [--dir /tmp/ckptool-bench-validate] [--mb 1024] [--runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def make_checkpoint(path: Path, n_tensors: int, files: int, total_mb: int) -> None:
+    if (path / ".metadata").exists():
+        return
+    import torch
+    import torch.distributed.checkpoint as dcp
+    import warnings
+
+    per = max(1, total_mb * (1 << 20) // (n_tensors * 4))
+    g = torch.Generator().manual_seed(0)
+    sd = {f"model.layers.{i}.w": torch.randn(per, generator=g) for i in range(n_tensors)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(path), thread_count=files))
+
+
+def drop_caches() -> bool:
+    try:
+        subprocess.run(["sync"], check=True)
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def cat(path: Path) -> None:
+    files = sorted(str(p) for p in path.iterdir())
+    subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)
+
+
+def stats(xs: list[float]) -> str:
+    return f"{min(xs):.3f} / {statistics.median(xs):.3f} / {max(xs):.3f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", default="/tmp/ckptool-bench-validate")
+    ap.add_argument("--mb", type=int, default=1024, help="total tensor data in MiB")
+    ap.add_argument("--tensors", type=int, default=10_000)
+    ap.add_argument("--files", type=int, default=64)
+    ap.add_argument("--runs", type=int, default=3)
+    args = ap.parse_args()
+    ckpt = Path(args.dir) / f"t{args.tensors}-f{args.files}-{args.mb}mb"
+    make_checkpoint(ckpt, args.tensors, args.files, args.mb)
+    size = sum(p.stat().st_size for p in ckpt.iterdir())
+    nfiles = sum(1 for p in ckpt.glob("*.distcp"))
+
+    from ckptool.ops.validate import validate
+
+    rows = []
+    struct = [timed(lambda: _ok(validate(ckpt))) for _ in range(args.runs)]
+    rows.append(("validate (structure), in-process", struct, None))
+    cli = [timed(lambda: subprocess.run([sys.executable, "-m", "ckptool", "validate", str(ckpt)],
+                                        check=True, stdout=subprocess.DEVNULL))
+           for _ in range(args.runs)]
+    rows.append(("ckptool validate (CLI, incl. start-up)", cli, None))
+    can_drop = drop_caches()
+    for cache in (["warm", "cold"] if can_drop else ["warm"]):
+        deep, cats = [], []
+        for _ in range(args.runs):
+            if cache == "cold":
+                drop_caches()
+            else:
+                cat(ckpt)
+            cats.append(timed(lambda: cat(ckpt)))
+            if cache == "cold":
+                drop_caches()
+            deep.append(timed(lambda: _ok(validate(ckpt, deep=True))))
+        rows.append((f"cat all files ({cache} cache)", cats, size))
+        rows.append((f"validate --deep ({cache} cache)", deep, size))
+    print(f"checkpoint: {args.tensors} tensors, {nfiles} .distcp files, {size / 2**20:.0f} MiB; "
+          f"{os.cpu_count()} cores; page cache drop {'used' if can_drop else 'NOT available'}\n")
+    print("| what | seconds min / median / max | throughput (median) |")
+    print("|---|---|---|")
+    for name, xs, nbytes in rows:
+        tp = f"{nbytes / statistics.median(xs) / 2**20:.0f} MiB/s" if nbytes else ""
+        print(f"| {name} | {stats(xs)} | {tp} |")
+    for cache in ("warm", "cold"):
+        c = [r for r in rows if r[0] == f"cat all files ({cache} cache)"]
+        d = [r for r in rows if r[0] == f"validate --deep ({cache} cache)"]
+        if c and d:
+            ratio = statistics.median(c[0][1]) / statistics.median(d[0][1])
+            print(f"\n--deep speed / cat speed ({cache}): {ratio:.2f}x (target >= 0.8x)")
+
+
+def _ok(report) -> None:
+    if not report.ok:
+        raise SystemExit(f"benchmark checkpoint invalid: {report.findings[:3]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""The CLI boundary: fast start-up, exit codes, one-line errors, tracebacks only on request."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from click.testing import CliRunner
+
+from ckptool import __version__
+from ckptool.cli import cli
+
+
+def _run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "ckptool", *args], capture_output=True,
+                          text=True, env=full_env)
+
+
+def test_version_and_help_do_not_import_torch():
+    code = ("import sys; from ckptool.cli import cli; from click.testing import CliRunner; "
+            "r = CliRunner().invoke(cli, ['--help']); assert r.exit_code == 0, r.output; "
+            "r = CliRunner().invoke(cli, ['--version']); assert r.exit_code == 0; "
+            "[CliRunner().invoke(cli, [c, '--help']) for c in ('validate', 'inspect', 'ls')]; "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    res = CliRunner().invoke(cli, ["--version"])
+    assert res.output.strip() == f"ckptool, version {__version__}"
+
+
+def test_ckpt_error_is_one_line_exit_1(tmp_path):
+    proc = _run("inspect", str(tmp_path / "nope"))
+    assert proc.returncode == 1
+    assert proc.stderr.count("\n") == 1
+    assert proc.stderr.startswith("error: ") and "does not exist" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_debug_env_shows_traceback(tmp_path):
+    proc = _run("inspect", str(tmp_path / "nope"), env={"CKPTOOL_DEBUG": "1"})
+    assert proc.returncode == 1
+    assert "Traceback" in proc.stderr and "CheckpointNotFoundError" in proc.stderr
+
+
+def test_usage_error_exit_2():
+    proc = _run("validate", "--no-such-flag", "x")
+    assert proc.returncode == 2
+    assert "No such option" in proc.stderr
+    assert _run("no-such-command").returncode == 2
+
+
+def test_run_folder_means_latest_committed(single_ckpt, tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(single_ckpt, run / "step_10")
+    shutil.copytree(single_ckpt, run / "step_20")
+    (run / "step_30").mkdir()  # torn save: ignored
+    res = CliRunner().invoke(cli, ["validate", str(run)])
+    assert res.exit_code == 0, res.output
+    assert "step_20 is complete" in res.output
+    res = CliRunner().invoke(cli, ["ls", str(run)])
+    lines = res.output.splitlines()
+    assert any(line.startswith("* step_20") for line in lines)
+    assert any("step_30" in line and "incomplete" in line for line in lines)
+
+
+def test_empty_run_folder_ls_exit_1(tmp_path):
+    res = CliRunner().invoke(cli, ["ls", str(tmp_path)])
+    assert res.exit_code == 1
