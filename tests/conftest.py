@@ -30,3 +30,44 @@ def single_ckpt(tmp_path_factory) -> Path:
     from factory import make_single_checkpoint
 
     return make_single_checkpoint(tmp_path_factory.mktemp("single") / "ckpt")
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3 API on loopback (moto in server mode); yields the endpoint URL.
+
+    Sets ``AWS_ENDPOINT_URL`` and dummy credentials for this process and its children, so
+    ``s3://`` URLs reach it through s3fs exactly as they would reach AWS.
+    """
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    saved = {k: os.environ.get(k) for k in
+             ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
+    os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="testing",
+                      AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
+    try:
+        yield endpoint
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture()
+def s3_bucket(s3_server, request):
+    """A fresh bucket name on the loopback S3 server."""
+    import uuid
+
+    import s3fs
+
+    fs = s3fs.S3FileSystem(endpoint_url=s3_server, skip_instance_cache=True)
+    name = f"ckpt-{uuid.uuid4().hex[:10]}"
+    fs.mkdir(name)
+    return name
