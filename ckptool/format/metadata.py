@@ -192,6 +192,15 @@ class _DTypeToken:
     name: str
 
 
+# Real torch dtypes ckptool does not convert: read as data, refused with a clear message.
+_OTHER_TORCH_DTYPES = (
+    "complex128", "complex32", "cdouble", "chalf", "qint8", "quint8", "qint32", "quint4x2",
+    "quint2x4", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2",
+    "bits8", "bits16", "bits1x8", "bits2x4", "bits4x2",
+    *(f"uint{i}" for i in range(1, 8)), *(f"int{i}" for i in range(1, 8)),
+)
+
+
 def _size(dims: Any = ()) -> tuple[Any, ...]:
     return tuple(dims)
 
@@ -213,7 +222,7 @@ METADATA_GLOBALS: dict[tuple[str, str], Any] = {
     ("pathlib", "PosixPath"): lambda *a: "/".join(map(str, a)),
     ("pathlib", "WindowsPath"): lambda *a: "\\".join(map(str, a)),
     ("pathlib", "PurePosixPath"): lambda *a: "/".join(map(str, a)),
-    **{("torch", name): _DTypeToken(name) for name in DTYPES},
+    **{("torch", name): _DTypeToken(name) for name in (*DTYPES, *_OTHER_TORCH_DTYPES)},
 }
 
 
@@ -327,8 +336,9 @@ def _convert(raw: Any, nbytes: int) -> CheckpointMetadata:
 def _tensor(fqn: str, md: _TensorStorageMetadata, refs: dict) -> TensorEntry:
     props = md.get("properties")
     token = props.get("dtype") if isinstance(props, _TensorProperties) else None
-    if not isinstance(token, _DTypeToken):
-        raise _Bad(f"{fqn}: dtype {token!r} is not a supported tensor dtype")
+    if not isinstance(token, _DTypeToken) or token.name not in DTYPES:
+        name = token.name if isinstance(token, _DTypeToken) else repr(token)
+        raise _Bad(f"{fqn}: dtype {name} is not a supported tensor dtype")
     dtype = DTYPES[token.name]
     shape = _dims(md.get("size"), f"{fqn} shape")
     if math.prod(shape) * dtype.itemsize > MAX_TENSOR_BYTES:
