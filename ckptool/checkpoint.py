@@ -1,0 +1,433 @@
+"""``Checkpointer``: save, resume and retention for an FSDP2 training script, over DCP.
+
+Owns the life of checkpoints in one run folder: ``step_N/`` written with ``dcp.save`` (or
+``dcp.async_save`` in a background process), the ``ckptool.json`` manifest written by rank 0
+only after the save has committed, retention of the last K committed checkpoints, and loading
+the latest valid one (with load-time resharding, so the rank count may change). It leaves the
+on-disk format to ``ckptool.format`` and validity to ``ckptool.ops.validate``.
+
+Keys in a checkpoint: ``model.*`` and ``optim.*`` (from ``get_state_dict``), plus whatever the
+caller passes as ``extra`` (e.g. ``lr_scheduler``, ``train``, ``data``).
+
+Example (on every rank, after ``fully_shard``)::
+
+    ckpt = Checkpointer("runs/x", keep=3, async_save=True)
+    start = ckpt.load_latest(model, optimizer, extra={"lr_scheduler": sched}) or 0
+    for step in range(start + 1, steps + 1):
+        ...
+        if step % 100 == 0:
+            ckpt.save(step, model, optimizer, extra={"lr_scheduler": sched}, loss=loss.item())
+    ckpt.close()
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckptool.errors import CkptError, ConfigError, CorruptCheckpointError, IncompatibleCheckpointError
+from ckptool.format import layout
+from ckptool.format import manifest as mf
+from ckptool.storage import Storage
+
+logger = logging.getLogger(__name__)
+
+RESERVED = ("model", "optim")
+
+
+@dataclass
+class SaveStats:
+    """Seconds spent saving. ``blocked_seconds`` is what training waited for; for a
+    synchronous save it equals ``save_seconds``, for an async one it is the staging copy
+    (plus waiting for the previous save, if it was still running)."""
+
+    saves: int = 0
+    save_seconds: float = 0.0
+    blocked_seconds: float = 0.0
+    last_save_seconds: float = 0.0
+    last_blocked_seconds: float = 0.0
+
+
+@dataclass
+class _Pending:
+    step: int
+    path: Path
+    loss: float | None
+    started: float
+    future: Any
+    stager: Any
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _rank() -> int:
+    d = _dist()
+    return d.get_rank() if d else 0
+
+
+def _world_size() -> int:
+    d = _dist()
+    return d.get_world_size() if d else 1
+
+
+def _barrier() -> None:
+    d = _dist()
+    if d:
+        d.barrier()
+
+
+def _broadcast(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank."""
+    d = _dist()
+    if not d:
+        return obj
+    box = [obj]
+    d.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def latest_valid(run: str | os.PathLike[str]) -> layout.CheckpointDir | None:
+    """The newest ``step_N`` checkpoint in ``run`` that is committed and passes ``validate``."""
+    from ckptool.ops.validate import validate
+
+    for ckpt in reversed(step_checkpoints(run)):
+        if ckpt.committed and validate(ckpt).ok:
+            return ckpt
+    return None
+
+
+def step_checkpoints(run: str | os.PathLike[str]) -> list[layout.CheckpointDir]:
+    """``step_N`` folders in ``run`` (committed or not), oldest first; [] if ``run`` is missing."""
+    if not os.path.isdir(run):
+        return []
+    return [c for c in layout.list_checkpoints(run) if c.step is not None and c.name == f"step_{c.step}"]
+
+
+def retention_victims(found: list[layout.CheckpointDir], keep: int, *,
+                      inflight: int | None = None) -> list[layout.CheckpointDir]:
+    """Which ``step_N`` folders retention deletes.
+
+    Committed checkpoints beyond the newest ``keep`` (0 keeps all), and uncommitted (torn)
+    folders older than the newest committed one. Never the newest committed checkpoint,
+    never an uncommitted folder newer than it (it may be a save in flight elsewhere), never
+    the step ``inflight``. With no committed checkpoint nothing is deleted.
+
+    Example:
+        >>> [c.name for c in retention_victims(step_checkpoints("runs/x"), keep=2)]
+        ['step_100', 'step_150']
+    """
+    committed = [c for c in found if c.committed]
+    if not committed:
+        return []
+    newest = committed[-1].step
+    kept = committed[-keep:] if keep else committed
+    return [c for c in found
+            if (c.committed and c not in kept)
+            or (not c.committed and c.step < newest and c.step != inflight)]
+
+
+class Checkpointer:
+    """Saves and restores model, optimizer and extra state under ``out_dir/step_N``.
+
+    Args:
+        out_dir: the run folder (local path).
+        keep: committed checkpoints to keep (0 keeps all). The newest committed one is never
+            deleted; torn folders older than it are removed.
+        async_save: use ``dcp.async_save`` in a background process; at most one save is in
+            flight, and a new ``save`` first waits for the previous one.
+        config: JSON-able dict recorded in each manifest (e.g. the training config).
+
+    Example:
+        >>> ckpt = Checkpointer("runs/x", keep=2)
+        >>> step = ckpt.load_latest(model, optimizer)       # None on a fresh run
+        >>> ckpt.save(100, model, optimizer, extra={"lr_scheduler": sched}, loss=2.31)
+        >>> ckpt.close()
+    """
+
+    def __init__(self, out_dir: str | os.PathLike[str], keep: int = 3, async_save: bool = False, *,
+                 config: dict[str, Any] | None = None) -> None:
+        if keep < 0:
+            raise ConfigError(f"keep must be 0 (keep all) or positive, got {keep}")
+        self.root = Path(out_dir)
+        self.keep = keep
+        self.async_save = async_save
+        self.config = dict(config or {})
+        self.stats = SaveStats()
+        self.last_loaded: str | None = None
+        self._pending: _Pending | None = None
+        self._group: Any = None
+
+    # -- saving -----------------------------------------------------------------------------
+    def save(self, step: int, model: Any, optimizer: Any, *, extra: dict[str, Any] | None = None,
+             loss: float | None = None) -> Path:
+        """Save a checkpoint as ``out_dir/step_{step}`` (called on all ranks).
+
+        Args:
+            step: the training step; names the folder.
+            model: the (FSDP2-sharded) model.
+            optimizer: its optimizer (state saved with ``get_state_dict``).
+            extra: more top-level entries: tensors, plain values or ``Stateful`` objects
+                (anything with ``state_dict``/``load_state_dict``, e.g. an LR scheduler).
+            loss: recorded in the manifest.
+
+        Returns:
+            The checkpoint folder. For an async save it is committed only once ``wait()``
+            returns (or the next ``save`` starts).
+
+        Raises:
+            CkptError: the save (or the previous async save) failed.
+        """
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        t0 = time.perf_counter()
+        self._wait_pending()  # at most one save in flight
+        path = self.root / f"step_{step}"
+        self._prepare_folder(path)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd, **self._check_extra(extra)}
+        if self.async_save:
+            self._start_async(state, step, path, loss, t0)
+        else:
+            try:
+                dcp.save(state, checkpoint_id=str(path))
+            except dcp.CheckpointException as e:  # a BaseException: `except Exception` misses it
+                raise CkptError(f"saving {path} failed: {_first_line(e)}", path=str(path)) from e
+            self._committed(step, path, loss)
+            took = time.perf_counter() - t0
+            self._account(took, took)
+        return path
+
+    def save_model(self, model: Any, *, name: str = "final_model", step: int | None = None,
+                   loss: float | None = None) -> Path:
+        """Save the model weights alone (keys ``model.*``) as ``out_dir/name``, synchronously
+        (called on all ranks). Retention and resume ignore it (it is no ``step_N`` folder)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        self.wait()
+        path = self.root / name
+        self._prepare_folder(path)
+        dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(path))
+        if _rank() == 0:
+            storage = Storage.open(path)
+            mf.write_manifest(storage, mf.build_manifest(storage, step=step, world_size=_world_size(),
+                                                         loss=loss, config=self.config))
+        return path
+
+    @staticmethod
+    def _check_extra(extra: dict[str, Any] | None) -> dict[str, Any]:
+        extra = dict(extra or {})
+        clash = [k for k in RESERVED if k in extra]
+        if clash:
+            raise ConfigError(f"extra state may not use the reserved keys {clash}")
+        return extra
+
+    def _prepare_folder(self, path: Path) -> None:
+        # A leftover folder of the same name (torn, or from a run resumed at an older step)
+        # would mix old and new files under one .metadata: remove it first.
+        if _rank() == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            if path.exists():
+                logger.warning("replacing existing %s", path)
+                Storage.open(path).remove_tree()
+        _barrier()
+
+    def _start_async(self, state: dict[str, Any], step: int, path: Path, loss: float | None, t0: float) -> None:
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        if self._group is None and _dist():
+            # Its own gloo group: on the default group the background save's collectives
+            # collide with training's (gloo "Received data size doesn't match expected size").
+            self._group = dist.new_group(backend="gloo")
+        # The default StagingOptions() want pinned memory and non-blocking copies, which need
+        # an accelerator; a plain synchronous copy to CPU works everywhere.
+        stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                              use_async_staging=False, use_non_blocking_copy=False))
+        future = dcp.async_save(state, checkpoint_id=str(path), process_group=self._group,
+                                async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=stager)
+        pending = _Pending(step, path, loss, t0, future, stager)
+        self._pending = pending
+        self._account(None, time.perf_counter() - t0)
+        future.add_done_callback(lambda _f: self._async_done(pending))
+
+    def _async_done(self, p: _Pending) -> None:
+        # Runs in the executor thread once the background save finished on this rank; every
+        # rank's future completes only after rank 0 wrote .metadata, so the save is durable.
+        try:
+            p.stager.close()
+            exc = p.future.exception()
+            if exc is not None:
+                p.error = exc
+            else:
+                self._committed(p.step, p.path, p.loss)
+        except BaseException as e:  # noqa: BLE001 - re-raised on the main thread by wait()
+            p.error = e
+        finally:
+            self._account(time.perf_counter() - p.started, None)
+            p.done.set()
+
+    def _committed(self, step: int, path: Path, loss: float | None) -> None:
+        if _rank() != 0:
+            return
+        storage = Storage.open(path)
+        manifest = mf.build_manifest(storage, step=step, world_size=_world_size(), loss=loss,
+                                     config=self.config)
+        mf.write_manifest(storage, manifest)
+        logger.info("saved %s", path)
+        self._retain()
+
+    def _account(self, save_s: float | None, blocked_s: float | None) -> None:
+        if save_s is not None:
+            self.stats.saves += 1
+            self.stats.save_seconds += save_s
+            self.stats.last_save_seconds = save_s
+        if blocked_s is not None:
+            self.stats.blocked_seconds += blocked_s
+            self.stats.last_blocked_seconds = blocked_s
+
+    def wait(self) -> None:
+        """Block until the async save in flight (if any) is committed (called on all ranks).
+
+        Time spent here is not counted in ``stats.blocked_seconds`` (that is the time
+        ``save`` held training up).
+
+        Raises:
+            CkptError: that save failed.
+        """
+        self._wait_pending()
+
+    def _wait_pending(self) -> None:
+        p, self._pending = self._pending, None
+        if p is None:
+            return
+        p.done.wait()
+        if p.error is not None:
+            raise CkptError(f"async save of {p.path} failed: {_first_line(p.error)}",
+                            path=str(p.path)) from p.error
+
+    def close(self) -> None:
+        """Wait for the save in flight and release the background group (called on all ranks)."""
+        try:
+            self.wait()
+        finally:
+            d = _dist()
+            if self._group is not None and d:
+                d.destroy_process_group(self._group)
+            self._group = None
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- retention --------------------------------------------------------------------------
+    def _retain(self) -> None:
+        """Apply ``retention_victims`` to the run folder (rank 0 only)."""
+        p = self._pending
+        inflight = p.step if p is not None and not p.done.is_set() else None
+        for c in retention_victims(step_checkpoints(self.root), self.keep, inflight=inflight):
+            logger.info("retention: removing %s", c.url)
+            c.storage.remove_tree()
+
+    # -- loading ----------------------------------------------------------------------------
+    def list(self) -> list[layout.CheckpointDir]:
+        """Every ``step_N`` folder in the run, oldest first, committed or not (``.committed``)."""
+        return step_checkpoints(self.root)
+
+    def latest(self) -> layout.CheckpointDir | None:
+        """The newest committed checkpoint that passes ``ckptool.ops.validate``, or None."""
+        return latest_valid(self.root)
+
+    def load_latest(self, model: Any, optimizer: Any, *, extra: dict[str, Any] | None = None) -> int | None:
+        """Restore the newest valid checkpoint, if any (called on all ranks).
+
+        Rank 0 picks the checkpoint and tells the others. Works at any rank count: DCP
+        reshards on load.
+
+        Args:
+            model: the sharded model to load into.
+            optimizer: its optimizer.
+            extra: the same keys as given to ``save``; tensors and ``Stateful`` objects are
+                restored in place, plain values are replaced in this dict.
+
+        Returns:
+            The step of the loaded checkpoint, or None when the run folder has none.
+        """
+        found = self.latest() if _rank() == 0 else None
+        path = _broadcast(str(found.url) if found is not None else None)
+        if path is None:
+            return None
+        return self.load(path, model, optimizer, extra=extra, check=False)
+
+    def load(self, path: str | os.PathLike[str], model: Any, optimizer: Any, *,
+             extra: dict[str, Any] | None = None, check: bool = True) -> int:
+        """Restore one checkpoint folder into ``model``, ``optimizer`` and ``extra`` (called on
+        all ranks). Returns the step from the folder name (0 if it has none).
+
+        Args:
+            path: a checkpoint folder (``step_N``).
+            model: the sharded model to load into.
+            optimizer: its optimizer.
+            extra: as for ``load_latest``.
+            check: validate first on rank 0 (torch's reader unpickles ``.metadata``
+                unrestricted, so an unchecked folder is never handed to it).
+
+        Raises:
+            CorruptCheckpointError: ``validate`` found errors.
+            IncompatibleCheckpointError: keys or shapes do not match the model.
+        """
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        if check:
+            problem = _broadcast(_validation_problem(path) if _rank() == 0 else None)
+            if problem is not None:
+                raise CorruptCheckpointError(f"{path} is not a loadable checkpoint: {problem}", path=str(path),
+                                             hint=f"Run 'ckptool validate {path}' for details")
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd, **self._check_extra(extra)}
+        try:
+            dcp.load(state, checkpoint_id=str(path))
+        except (Exception, dcp.CheckpointException) as e:
+            if isinstance(e, CkptError):
+                raise
+            raise IncompatibleCheckpointError(
+                f"cannot load {path} into this model: {_first_line(e)}", path=str(path),
+                hint="Check that --model and sizes match the run that saved it, or use --no-resume",
+            ) from e
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        if extra is not None:
+            extra.update({k: state[k] for k in extra})
+        self.last_loaded = str(path)
+        return layout.step_of(Path(path).name) or 0
+
+
+def _validation_problem(path: str | os.PathLike[str]) -> str | None:
+    from ckptool.ops.validate import validate
+
+    try:
+        report = validate(path)
+    except CkptError as e:  # missing path, not a checkpoint: every rank must hear about it
+        return str(e)
+    return None if report.ok else str(report.errors[0])
+
+
+def _first_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text[:300] if text else type(e).__name__
