@@ -1,0 +1,274 @@
+"""Benchmark ``ckptool reshard --to M`` against ``cp -r`` and DCP load-time resharding.
+
+The only other route a user has is loading the checkpoint on M ranks with DCP (which
+reshards at load time) and saving it again; ``--dcp-route`` is that route, done as cheaply as
+it can be: M spawned gloo ranks build empty ``Shard(0)`` DTensors of every saved tensor (no
+model, no optimizer objects), ``dcp.load`` then ``dcp.save``.
+
+Same rules as ``bench/consolidate_bench.py``: every run is a fresh subprocess, wall time from
+the parent's clock ("wall + sync" adds an ``os.sync()`` after it, charging tools that do not
+flush), peak RSS from ``os.wait4`` (the largest single process; for the DCP route the sum over
+its ranks is reported too), runs interleaved across tools, page cache dropped before every run
+(``sync; echo 3 > /proc/sys/vm/drop_caches``; needs root, else the table says "warm").
+
+Usage:
+    python bench/gen_checkpoint.py /tmp/rsbench/step_1000 --ranks 8 --size-gb 2.2
+    python bench/reshard_bench.py /tmp/rsbench/step_1000 --to 4 --runs 3 \
+        --markdown docs/BENCHMARKS.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SECTION = "## reshard"
+
+
+def tools(ckpt: Path, work: Path, m: int) -> dict[str, tuple[list[str], Path]]:
+    """Name -> (command, output path to delete afterwards)."""
+    py = sys.executable
+    return {
+        "cp -r": (["cp", "-r", str(ckpt), str(work / "cp")], work / "cp"),
+        f"ckptool reshard --to {m}": (["ckptool", "reshard", str(ckpt), str(work / "r"),
+                                       "--to", str(m)], work / "r"),
+        f"ckptool reshard --to {m} --no-verify": (
+            ["ckptool", "reshard", str(ckpt), str(work / "n"), "--to", str(m), "--no-verify"],
+            work / "n"),
+        f"DCP load + save on {m} gloo ranks": (
+            [py, __file__, "--dcp-route", str(ckpt), str(work / "d"), "--to", str(m)], work / "d"),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# The DCP route (run as a subprocess of the benchmark)
+
+
+def _dcp_rank(rank: int, m: int, src: str, dst: str, rdzv: str, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=m)
+    try:
+        mesh = init_device_mesh("cpu", (m,))
+        meta = dcp.FileSystemReader(src).read_metadata()  # trusted: our own benchmark input
+        state: dict[str, object] = {}
+        for fqn, md in meta.state_dict_metadata.items():
+            if not isinstance(md, TensorStorageMetadata):
+                state[fqn] = None  # replaced by the loaded value
+                continue
+            shape, dtype = tuple(md.size), md.properties.dtype
+            if not shape:
+                state[fqn] = torch.empty((), dtype=dtype)
+                continue
+            per = -(-shape[0] // m)
+            lo = min(rank * per, shape[0])
+            local = torch.empty((min(per, shape[0] - lo), *shape[1:]), dtype=dtype)
+            stride = tuple(int(torch.tensor(shape[i + 1:]).prod()) for i in range(len(shape)))
+            state[fqn] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+                                            shape=torch.Size(shape), stride=stride)
+        dcp.load(state, checkpoint_id=src)
+        dcp.save(state, checkpoint_id=dst)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+        with open(f"{out}.{rank}", "w") as f:
+            f.write(str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
+
+
+def dcp_route(src: str, dst: str, m: int) -> None:
+    import torch.multiprocessing as mp
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_dcp_rank, args=(m, src, dst, f"{tmp}/rdzv", f"{tmp}/rss"), nprocs=m, join=True)
+        rss = [int(Path(f"{tmp}/rss.{r}").read_text()) for r in range(m)]
+    print(json.dumps({"rss_sum_mib": sum(rss) / 1024}))
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring
+
+
+def drop_caches() -> bool:
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def run_once(cmd: list[str]) -> dict[str, float]:
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _, status, ru = os.wait4(p.pid, 0)
+    t1 = time.perf_counter()
+    out = p.stdout.read().decode(errors="replace") if p.stdout else ""
+    err = p.stderr.read().decode(errors="replace") if p.stderr else ""
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{err[-2000:]}")
+    os.sync()
+    t2 = time.perf_counter()
+    r = {"wall": t1 - t0, "wall_sync": t2 - t0, "rss_mib": ru.ru_maxrss / 1024}
+    for line in out.splitlines():
+        if line.startswith('{"rss_sum_mib"'):
+            r["rss_sum_mib"] = json.loads(line)["rss_sum_mib"]
+    return r
+
+
+def describe(ckpt: Path, m: int) -> dict[str, object]:
+    from ckptool.format.metadata import read_metadata
+    from ckptool.format.dcp_writer import fsdp_chunks
+    from ckptool.storage import Storage
+
+    meta = read_metadata(Storage.open(ckpt))
+    ts = meta.tensors.values()
+    chunk_src = max(c.numel * t.dtype.itemsize for t in ts for c in t.chunks)
+    chunk_out = max(c.numel * t.dtype.itemsize for t in ts for _, c in fsdp_chunks(t.shape, m))
+    return {"world_size": meta.world_size, "to": m, "tensors": len(meta.tensors),
+            "objects": len(meta.objects), "tensor_bytes": sum(t.nbytes for t in ts),
+            "chunk_src": chunk_src, "chunk_out": chunk_out,
+            "disk_bytes": sum(e.stat().st_size for e in os.scandir(ckpt))}
+
+
+def fmt(xs: list[float], digits: int = 2) -> str:
+    return (f"{min(xs):.{digits}f} / **{statistics.median(xs):.{digits}f}** / "
+            f"{max(xs):.{digits}f}")
+
+
+def render(results: dict[str, list[dict[str, float]]], info: dict[str, object]) -> str:
+    lines = [f"{SECTION}\n",
+             f"Checkpoint: {info['world_size']}-rank FSDP2-style DCP (`bench/gen_checkpoint.py`), "
+             f"{info['tensors']} tensors, {info['tensor_bytes'] / 1e9:.2f} GB of tensor data, "
+             f"{info['disk_bytes'] / 1e9:.2f} GB on disk; resharded to {info['to']} ranks. "
+             f"Largest chunk: {info['chunk_src'] / 2**20:.0f} MiB in the source, "
+             f"{info['chunk_out'] / 2**20:.0f} MiB in the output. Machine: {info['machine']}. "
+             f"Page cache: {info['cache']}. {info['runs']} runs per tool, interleaved; "
+             "min / **median** / max. 1-minute load average before the runs (other jobs on the "
+             f"machine): {fmt([r['load'] for v in results.values() for r in v], 1)}.\n",
+             "| tool | wall (s) | wall + sync (s) | peak RSS, largest process (MiB) |",
+             "|---|---|---|---|"]
+    for name, runs in results.items():
+        rss = fmt([r["rss_mib"] for r in runs], 0)
+        if all("rss_sum_mib" in r for r in runs):
+            rss += f" (all ranks: {fmt([r['rss_sum_mib'] for r in runs], 0)})"
+        lines.append(f"| `{name}` | {fmt([r['wall'] for r in runs])} | "
+                     f"{fmt([r['wall_sync'] for r in runs])} | {rss} |")
+    lines += ["", "Targets (medians):", ""] + targets(results, info)
+    lines += ["", f"Commands: `{info['gen']}` then `{info['bench']}`.", ""]
+    return "\n".join(lines)
+
+
+def targets(results: dict[str, list[dict[str, float]]], info: dict[str, object]) -> list[str]:
+    med = {k: {m: statistics.median(r[m] for r in v) for m in ("wall", "wall_sync", "rss_mib")}
+           for k, v in results.items()}
+    cp = med.get("cp -r")
+    out = []
+    limit = info["chunk_src"] / 2**20 + 64  # type: ignore[operator]
+    for name, r in med.items():
+        if not name.startswith("ckptool"):
+            continue
+        out.append(_check(f"`{name}`: peak RSS <= largest (source) chunk + 64 MiB", r["rss_mib"],
+                          "<=", limit, f"{r['rss_mib']:.0f} MiB vs {limit:.0f} MiB"))
+        for m, label in (("wall", "wall"), ("wall_sync", "wall + sync")):
+            if cp:
+                x = r[m] / cp[m]
+                out.append(_check(f"`{name}`: {label} <= 1.25x `cp -r`", x, "<=", 1.25,
+                                  f"{x:.2f}x"))
+    dcp = next((v for k, v in med.items() if k.startswith("DCP")), None)
+    main = next((v for k, v in med.items() if k.startswith("ckptool") and "no-verify" not in k),
+                None)
+    if dcp and main:
+        out.append(f"- DCP load + save vs `ckptool reshard`: {dcp['wall'] / main['wall']:.1f}x the "
+                   f"wall time (for information; no target)")
+    return out
+
+
+def _check(what: str, value: float, op: str, limit: float, shown: str) -> str:
+    ok = value <= limit if op == "<=" else value >= limit
+    return f"- {what}: {shown} — {'met' if ok else '**not met**'}"
+
+
+def write_section(md: Path, text: str) -> None:
+    """Insert or replace the ``## reshard`` section of ``md`` (re-read now), leaving the rest."""
+    old = md.read_text() if md.exists() else "# Benchmarks\n"
+    lines = old.splitlines(keepends=True)
+    start = next((i for i, ln in enumerate(lines) if ln.strip() == SECTION), None)
+    if start is None:
+        new = old.rstrip("\n") + "\n\n" + text
+    else:
+        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")),
+                   len(lines))
+        new = "".join(lines[:start]) + text + ("\n" + "".join(lines[end:]) if end < len(lines)
+                                               else "")
+    md.write_text(new.rstrip("\n") + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("checkpoint", type=Path, nargs="?")
+    ap.add_argument("--to", type=int, default=4, help="target rank count (default 4)")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/ckptool-reshard-bench"))
+    ap.add_argument("--only", action="append", help="run only these tools (repeatable)")
+    ap.add_argument("--markdown", type=Path, help="write the table into this file's section")
+    ap.add_argument("--dcp-route", nargs=2, metavar=("SRC", "DST"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.dcp_route:
+        return dcp_route(*args.dcp_route, args.to)
+    if args.checkpoint is None:
+        ap.error("CHECKPOINT is required")
+    args.work.mkdir(parents=True, exist_ok=True)
+    selected = {k: v for k, v in tools(args.checkpoint, args.work, args.to).items()
+                if not args.only or k in args.only}
+    results: dict[str, list[dict[str, float]]] = {k: [] for k in selected}
+    cold = True
+    for i in range(args.runs):
+        for name, (cmd, out) in selected.items():
+            shutil.rmtree(out, ignore_errors=True)
+            cold &= drop_caches()
+            load = os.getloadavg()[0]  # other users of the machine skew wall times
+            r = {**run_once(cmd), "load": load}
+            results[name].append(r)
+            print(f"run {i + 1} {name}: {json.dumps({k: round(v, 3) for k, v in r.items()})}",
+                  flush=True)
+            shutil.rmtree(out, ignore_errors=True)
+    info = {**describe(args.checkpoint, args.to), "runs": args.runs,
+            "cache": "dropped before every run" if cold else "warm (could not drop caches)",
+            "machine": f"{os.cpu_count()} CPUs, {_mem_gib():.0f} GiB RAM, Linux "
+                       f"{platform.release()}, Python {platform.python_version()}"}
+    info["gen"] = (f"python bench/gen_checkpoint.py {args.checkpoint} --ranks {info['world_size']} "
+                   f"--size-gb {info['tensor_bytes'] / 1e9:.1f}")
+    info["bench"] = (f"python bench/reshard_bench.py {args.checkpoint} --to {args.to} "
+                     f"--runs {args.runs}")
+    text = render(results, info)
+    print(text)
+    (args.work / "results.json").write_text(json.dumps({"results": results, "info": info},
+                                                       indent=1))
+    if args.markdown:
+        write_section(args.markdown, text)
+
+
+def _mem_gib() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,447 @@
+"""Writing a DCP checkpoint without torch: ``torch.save`` records, ``.distcp`` files, ``.metadata``.
+
+Owns the byte layout of what ckptool writes. A DCP item is one ``torch.save`` archive: an
+uncompressed zip written by PyTorch's miniz-based ``PyTorchStreamWriter``. For one contiguous
+tensor that archive has a fixed shape, reproduced here byte for byte (``tests/unit/
+test_reshard_format.py`` compares with ``torch.save`` of the installed torch)::
+
+    archive/data.pkl                  pickle (protocol 2): _rebuild_tensor_v2(persistent id, ...)
+    archive/.format_version           b"1"
+    archive/.storage_alignment        b"64"
+    archive/byteorder                 b"little"
+    archive/data/0                    the elements, row-major, 64-byte aligned
+    archive/version                   b"3\\n"
+    archive/.data/serialization_id    20 digits (hash of the record names) + 20 (hash of CRCs)
+
+Every local header carries an ``FB`` extra field padding its data to 64 bytes, sizes and CRC go
+into a data descriptor after the data (so the data can be streamed), and ZIP64 fields appear
+exactly where miniz puts them (entries or offsets >= 4 GiB). Non-tensor records are copied
+byte for byte by the caller. The ``.metadata`` pickle is encoded by ``_dcp_compat`` and written
+last, through a temporary name (DCP's commit protocol).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import struct
+import zlib
+from typing import Any
+
+from ckptool.errors import IncompatibleCheckpointError
+from ckptool.format import _dcp_compat
+from ckptool.format.dtypes import DType
+from ckptool.format.items import contiguous_strides
+from ckptool.format.metadata import METADATA, CheckpointMetadata, Chunk, StorageRef
+
+_MAX32 = 0xFFFFFFFF
+_ALIGN = 64
+_ARCHIVE = "archive/"
+#: dtypes that torch.save writes with ``_rebuild_tensor_v2`` and a typed storage class.
+#: (uint16/32/64 and float8 use ``_rebuild_tensor_v3`` + ``UntypedStorage``, which ckptool's
+#: record reader does not parse yet.)
+V2_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "int64", "int32", "int16",
+                       "int8", "uint8", "bool", "complex64"})
+_SMALL_HEAD = ((".format_version", b"1"), (".storage_alignment", b"64"), ("byteorder", b"little"))
+_VERSION = ("version", b"3\n")
+_SERIALIZATION_ID = ".data/serialization_id"
+#: First half of the serialization id: PyTorchStreamWriter's combined hash of the record names,
+#: the same for every single-tensor record of this torch build (checked by the format test).
+NAME_HASH = "15728199511854643026"
+
+
+# ---------------------------------------------------------------------------------------------
+# data.pkl
+
+
+def _pkl_int(v: int) -> bytes:
+    """An int as pickle's C/Python pickler writes it at protocol 2."""
+    if 0 <= v <= 0xFF:
+        return b"K" + bytes([v])
+    if 0 <= v <= 0xFFFF:
+        return b"M" + struct.pack("<H", v)
+    if -0x80000000 <= v <= 0x7FFFFFFF:
+        return b"J" + struct.pack("<i", v)
+    raw = v.to_bytes((v.bit_length() >> 3) + 1, "little", signed=True)
+    return b"\x8a" + bytes([len(raw)]) + raw
+
+
+def _pkl_str(s: str) -> bytes:
+    raw = s.encode("utf-8")
+    return b"X" + struct.pack("<I", len(raw)) + raw
+
+
+class _Memo:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def put(self) -> bytes:
+        self.n += 1
+        return b"q" + bytes([self.n - 1])
+
+
+def _pkl_tuple(values: tuple[int, ...], memo: _Memo) -> bytes:
+    if not values:
+        return b")"  # pickle never memoizes the empty tuple
+    body = b"".join(_pkl_int(v) for v in values)
+    code = {1: b"\x85", 2: b"\x86", 3: b"\x87"}.get(len(values))
+    return (body + code if code else b"(" + body + b"t") + memo.put()
+
+
+def tensor_pickle(dtype: DType, shape: tuple[int, ...]) -> bytes:
+    """``data.pkl`` of a contiguous tensor whose storage holds exactly its elements.
+
+    Args:
+        dtype: one of ``V2_DTYPES`` (its legacy storage class names the element type).
+        shape: the tensor's shape (``()`` for a 0-dim tensor).
+
+    Returns:
+        The protocol-2 pickle ``torch.save`` writes: ``_rebuild_tensor_v2(storage, 0, shape,
+        strides, False, OrderedDict())`` with storage persistent id ``('storage', <type>, '0',
+        'cpu', numel)``.
+
+    Example:
+        >>> tensor_pickle(DTYPES["float32"], (2, 3))[:37]
+        b'\\x80\\x02ctorch._utils\\n_rebuild_tensor_v2\\nq\\x00'
+    """
+    memo = _Memo()
+    strides = contiguous_strides(shape)
+    out = [b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\n", memo.put(), b"((", _pkl_str("storage"),
+           memo.put(), f"ctorch\n{dtype.storage}\n".encode(), memo.put(), _pkl_str("0"),
+           memo.put(), _pkl_str("cpu"), memo.put(), _pkl_int(math.prod(shape)), b"t",
+           memo.put(), b"Q", _pkl_int(0), _pkl_tuple(shape, memo), _pkl_tuple(strides, memo),
+           b"\x89ccollections\nOrderedDict\n", memo.put(), b")R", memo.put(), b"t", memo.put(),
+           b"R", memo.put(), b"."]
+    return b"".join(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# The zip structure (miniz with MZ_ZIP_FLAG_WRITE_ZIP64, as PyTorchStreamWriter drives it)
+
+
+def _local_header(name: bytes, size: int, cursor: int) -> bytes:
+    """Local header + extra fields (ZIP64 when needed, then FB padding) for an entry at cursor."""
+    z64 = b""
+    if size >= _MAX32 or cursor >= _MAX32:
+        fields = (struct.pack("<QQ", size, 0) if size >= _MAX32 else b"")
+        fields += struct.pack("<Q", cursor) if cursor >= _MAX32 else b""
+        z64 = struct.pack("<HH", 1, len(fields)) + fields
+    start = cursor + 30 + len(name) + 4 + len(z64)
+    pad = (-start) % _ALIGN
+    extra = z64 + b"FB" + struct.pack("<H", pad) + b"Z" * pad
+    head = struct.pack("<4sHHHHHIIIHH", b"PK\x03\x04", 0, _flags(size), 0, 0, 0, 0, 0, 0,
+                       len(name), len(extra))
+    return head + name + extra
+
+
+def _flags(size: int) -> int:
+    # UTF-8 names; a data descriptor follows the data unless the entry is empty (miniz).
+    return 0x0808 if size else 0x0800
+
+
+def _descriptor(crc: int, size: int, cursor: int) -> bytes:
+    if size == 0:
+        return b""
+    if size >= _MAX32 or cursor >= _MAX32:
+        return struct.pack("<4sIQQ", b"PK\x07\x08", crc, size, size)
+    return struct.pack("<4sIII", b"PK\x07\x08", crc, size, size)
+
+
+def _central(name: bytes, crc: int, size: int, cursor: int) -> bytes:
+    fields = struct.pack("<QQ", size, size) if size >= _MAX32 else b""
+    fields += struct.pack("<Q", cursor) if cursor >= _MAX32 else b""
+    extra = struct.pack("<HH", 1, len(fields)) + fields if fields else b""
+    head = struct.pack("<4sHHHHHHIIIHHHHHII", b"PK\x01\x02", 0, 0, _flags(size), 0, 0, 0, crc,
+                       min(size, _MAX32), min(size, _MAX32), len(name), len(extra), 0, 0, 0, 0,
+                       min(cursor, _MAX32))
+    return head + name + extra
+
+
+def _end_of_directory(count: int, cd_offset: int, cd_size: int) -> bytes:
+    eocd64_offset = cd_offset + cd_size
+    eocd64 = struct.pack("<4sQHHIIQQQQ", b"PK\x06\x06", 44, 0x031E, 0x2D, 0, 0, count, count,
+                         cd_size, cd_offset)
+    locator = struct.pack("<4sIQI", b"PK\x06\x07", 0, eocd64_offset, 1)
+    eocd = struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, min(count, 0xFFFF),
+                       min(count, 0xFFFF), min(cd_size, _MAX32), min(cd_offset, _MAX32), 0)
+    return eocd64 + locator + eocd
+
+
+def _hash_combine(seed: int, value: int) -> int:
+    """c10::hash_combine on 64-bit size_t."""
+    mask = (1 << 64) - 1
+    return (seed ^ ((value + 0x9E3779B9 + ((seed << 6) & mask) + (seed >> 2)) & mask)) & mask
+
+
+class TensorRecord:
+    """The ``torch.save`` record of one contiguous tensor, split around its data.
+
+    Write ``head``, then exactly ``nbytes`` of row-major elements, then ``tail(crc)`` where
+    ``crc`` is the CRC-32 of those elements. ``length`` is known before the data is.
+
+    Example:
+        >>> rec = TensorRecord(DTYPES["float32"], (2, 3))
+        >>> blob = rec.head + data + rec.tail(zlib.crc32(data))
+    """
+
+    def __init__(self, dtype: DType, shape: tuple[int, ...]) -> None:
+        if dtype.name not in V2_DTYPES:
+            raise IncompatibleCheckpointError(
+                f"cannot write {dtype} tensors: torch saves them in a record format "
+                "(_rebuild_tensor_v3) that ckptool does not handle yet",
+                hint="Reshard by loading with DCP on the new world size instead")
+        self.shape = shape
+        self.nbytes = math.prod(shape) * dtype.itemsize
+        self._dir: list[tuple[str, int, int, int]] = []  # (name, crc, size, local header at)
+        parts, cursor = [], 0
+        for name, data in (("data.pkl", tensor_pickle(dtype, shape)), *_SMALL_HEAD):
+            parts.append(self._entry(self._dir, name, data, cursor))
+            cursor += len(parts[-1])
+        self._data_cursor = cursor
+        parts.append(_local_header((_ARCHIVE + "data/0").encode(), self.nbytes, cursor))
+        self.head = b"".join(parts)
+        self.data_offset = len(self.head)
+        self.length = self.data_offset + self.nbytes + len(self.tail(0))
+
+    @staticmethod
+    def _entry(directory: list, name: str, data: bytes, cursor: int) -> bytes:
+        crc = zlib.crc32(data)
+        directory.append((name, crc, len(data), cursor))
+        full = (_ARCHIVE + name).encode()
+        return _local_header(full, len(data), cursor) + data + _descriptor(crc, len(data), cursor)
+
+    def tail(self, crc: int) -> bytes:
+        """Everything after the data: descriptor, ``version``, serialization id, directory."""
+        directory = [*self._dir, ("data/0", crc, self.nbytes, self._data_cursor)]
+        out = [_descriptor(crc, self.nbytes, self._data_cursor)]
+        cursor = self.data_offset + self.nbytes + len(out[0])
+        out.append(self._entry(directory, *_VERSION, cursor))
+        cursor += len(out[-1])
+        combined = 0
+        for _, c, size, _ in directory:  # PyTorchStreamWriter hashes every data descriptor
+            if size:
+                combined = _hash_combine(combined, c)
+        sid = f"{NAME_HASH}{combined:020d}".encode()
+        out.append(self._entry(directory, _SERIALIZATION_ID, sid, cursor))
+        cursor += len(out[-1])
+        cd = b"".join(_central((_ARCHIVE + name).encode(), c, size, at)
+                      for name, c, size, at in directory)
+        out.append(cd + _end_of_directory(len(directory), cursor, len(cd)))
+        return b"".join(out)
+
+
+def tensor_record(dtype: DType, shape: tuple[int, ...], data: bytes) -> bytes:
+    """A complete ``torch.save`` record of ``data``, held in memory (for small tensors).
+
+    Args:
+        dtype, shape: the tensor's element type and shape.
+        data: its elements, row-major, little-endian.
+
+    Returns:
+        The bytes ``torch.save`` writes for that tensor.
+
+    Raises:
+        ValueError: ``data`` has the wrong length.
+        IncompatibleCheckpointError: ``dtype`` is not one of ``V2_DTYPES``.
+
+    Example:
+        >>> blob = tensor_record(DTYPES["float32"], (2,), struct.pack("<2f", 1.0, 2.0))
+    """
+    rec = TensorRecord(dtype, shape)
+    if len(data) != rec.nbytes:
+        raise ValueError(f"{len(data)} bytes given for {dtype} {list(shape)} ({rec.nbytes})")
+    return rec.head + data + rec.tail(zlib.crc32(data))
+
+
+# ---------------------------------------------------------------------------------------------
+# CRC-32 arithmetic: combine the CRCs of adjacent pieces without reading them again (zlib's
+# crc32_combine, which Python's zlib does not expose).
+
+_POLY = 0xEDB88320
+
+
+def _multmodp(a: int, b: int) -> int:
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if (a & (m - 1)) == 0:
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+
+
+def _x2n_table() -> list[int]:
+    table, p = [], 1 << 30  # x^1
+    for _ in range(32):
+        table.append(p)
+        p = _multmodp(p, p)
+    return table
+
+
+_X2N = _x2n_table()
+
+
+@functools.lru_cache(maxsize=4096)
+def _x8nmodp(n: int) -> int:
+    """x^(8n) mod P: the operator that shifts a CRC over n zero bytes."""
+    p, k = 1 << 31, 3
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return p
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC-32 of ``A + B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)`` (zlib's algorithm).
+
+    Args:
+        crc1, crc2: CRC-32 of the first and second piece.
+        len2: length of the second piece in bytes.
+
+    Returns:
+        ``zlib.crc32(A + B)``, without reading either piece.
+
+    Example:
+        >>> crc32_combine(zlib.crc32(b"ab"), zlib.crc32(b"cd"), 2) == zlib.crc32(b"abcd")
+        True
+    """
+    return _multmodp(_x8nmodp(len2), crc1) ^ crc2
+
+
+# ---------------------------------------------------------------------------------------------
+# The layout DCP records for FSDP2 on M ranks
+
+
+def shard_rows(n: int, world_size: int, rank: int) -> tuple[int, int]:
+    """Rows ``[lo, hi)`` of an n-row tensor that FSDP2 gives ``rank`` (``torch.chunk`` on dim 0).
+
+    Args:
+        n: rows of the tensor (its dim 0).
+        world_size: ranks sharing it.
+        rank: the rank asked about.
+
+    Returns:
+        ``(lo, hi)``; ``ceil(n / world_size)`` rows per rank, the last ranks get fewer or none
+        (then ``lo == hi == n``, the offset DCP records for an empty shard).
+
+    Example:
+        >>> [shard_rows(10, 4, r) for r in range(4)]
+        [(0, 3), (3, 6), (6, 9), (9, 10)]
+    """
+    per = -(-n // world_size)
+    lo = min(rank * per, n)
+    return lo, min(lo + per, n)
+
+
+def fsdp_chunks(shape: tuple[int, ...], world_size: int) -> list[tuple[int, Chunk]]:
+    """(rank, chunk) pairs DCP records for an FSDP2 ``Shard(0)`` tensor on ``world_size`` ranks.
+
+    Args:
+        shape: the global shape (``()``: a 0-dim tensor, held whole by rank 0).
+        world_size: ranks sharing it.
+
+    Returns:
+        One chunk per rank that owns rows, in rank order, with ``storage=None``. Empty shards
+        all sit at offset ``n`` (as DCP records them); that chunk is recorded once, on the
+        lowest empty rank (DCP's ``dedup_save_to_lowest_rank``).
+
+    Example:
+        >>> [(r, c.offsets, c.sizes) for r, c in fsdp_chunks((10, 6), 8)][-1]
+        (5, (10, 0), (0, 6))
+    """
+    if not shape:
+        return [(0, Chunk((), (), None))]
+    out, empty_seen = [], False
+    for rank in range(world_size):
+        lo, hi = shard_rows(shape[0], world_size, rank)
+        if hi == lo:
+            if empty_seen:
+                continue
+            empty_seen = True
+        out.append((rank, Chunk((lo,) + (0,) * (len(shape) - 1), (hi - lo,) + shape[1:], None)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Files
+
+
+class DistcpFile:
+    """One ``.distcp`` file written front to back, with its xxh3-64 computed on the way.
+
+    Example:
+        >>> with DistcpFile("out/__0_0.distcp") as f:
+        ...     ref = f.append_record(tensor_record(dtype, shape, data))
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        import xxhash
+
+        self.path = os.fspath(path)
+        self.name = os.path.basename(self.path)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._hash = xxhash.xxh3_64()
+        self.size = 0
+
+    def __enter__(self) -> DistcpFile:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close(sync=exc_type is None)
+
+    def write(self, data: Any) -> None:
+        """Append bytes (any buffer)."""
+        view = memoryview(data).cast("B")
+        self._hash.update(view)
+        while view:
+            n = os.write(self._fd, view)
+            view = view[n:]
+            self.size += n
+
+    def append_record(self, record: bytes) -> StorageRef:
+        start = self.size
+        self.write(record)
+        return StorageRef(self.name, start, len(record))
+
+    @property
+    def digest(self) -> str:
+        return self._hash.hexdigest()
+
+    def close(self, *, sync: bool = True) -> None:
+        if self._fd is not None:
+            if sync:
+                os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = None  # type: ignore[assignment]
+
+
+def write_metadata(folder: str | os.PathLike[str], meta: CheckpointMetadata, *,
+                   checkpoint_id: str | None = None) -> int:
+    """Write ``.metadata`` last, atomically (temporary name, fsync, rename), as DCP commits.
+
+    Args:
+        folder: the local checkpoint folder whose ``.distcp`` files are already written.
+        meta: the index (tensors with chunk storage refs, objects, planner data, save id).
+        checkpoint_id: recorded in ``storage_meta`` (DCP records the folder it saved to).
+
+    Returns:
+        The size of ``.metadata`` in bytes.
+
+    Raises:
+        IncompatibleCheckpointError: the index holds something DCP's format cannot express.
+
+    Example:
+        >>> write_metadata("out", meta, checkpoint_id="out")
+    """
+    data = _dcp_compat.encode_metadata(meta, checkpoint_id=checkpoint_id)
+    tmp = os.path.join(os.fspath(folder), f"{METADATA}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(os.fspath(folder), METADATA))
+    return len(data)
