@@ -1,0 +1,224 @@
+"""Benchmark ``ckptool consolidate`` against ``cp -r``, ``accelerate merge-weights`` and torch's
+``dcp_to_torch_save`` on one multi-rank checkpoint, cold page cache, N runs each.
+
+Every run is a fresh subprocess; its peak RSS comes from ``os.wait4`` (the child and anything
+it waited for), its wall time from the parent's clock. "wall+sync" adds an ``os.sync()`` after
+the command so tools that do not flush their output (cp, accelerate, torch.save) are charged
+for it too (ckptool fsyncs its output before renaming it). Runs are interleaved across tools
+so background load drifts evenly. The page cache is dropped before every run
+(``sync; echo 3 > /proc/sys/vm/drop_caches``; needs root, else the table says "warm").
+
+Usage:
+    python bench/gen_checkpoint.py /tmp/bench/step_1000 --ranks 8 --size-gb 2.2
+    python bench/consolidate_bench.py /tmp/bench/step_1000 --runs 3 --markdown docs/BENCHMARKS.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SECTION = "## consolidate"
+
+
+def tools(ckpt: Path, work: Path) -> dict[str, tuple[list[str], Path]]:
+    """Name -> (command, output path to delete afterwards)."""
+    py = sys.executable
+    return {
+        "cp -r": (["cp", "-r", str(ckpt), str(work / "cp")], work / "cp"),
+        "ckptool consolidate": (["ckptool", "consolidate", str(ckpt), str(work / "c.safetensors")],
+                                work / "c.safetensors"),
+        "ckptool consolidate --no-crc-check": (
+            ["ckptool", "consolidate", str(ckpt), str(work / "n.safetensors"), "--no-crc-check"],
+            work / "n.safetensors"),
+        "ckptool consolidate --dtype bfloat16": (
+            ["ckptool", "consolidate", str(ckpt), str(work / "b.safetensors"), "--dtype", "bfloat16"],
+            work / "b.safetensors"),
+        "accelerate merge-weights": (["accelerate", "merge-weights", str(ckpt), str(work / "acc")],
+                                     work / "acc"),
+        "dcp_to_torch_save": ([py, "-m", "torch.distributed.checkpoint.format_utils",
+                               "dcp_to_torch", str(ckpt), str(work / "t.pt")], work / "t.pt"),
+        "python -c 'import torch'": ([py, "-c", "import torch"], work / "none"),
+    }
+
+
+def drop_caches() -> bool:
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def run_once(cmd: list[str]) -> dict[str, float]:
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, ru = os.wait4(p.pid, 0)
+    t1 = time.perf_counter()
+    p.returncode = os.waitstatus_to_exitcode(status)
+    err = p.stderr.read().decode(errors="replace") if p.stderr else ""
+    if p.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({p.returncode}):\n{err[-2000:]}")
+    os.sync()
+    t2 = time.perf_counter()
+    return {"wall": t1 - t0, "wall_sync": t2 - t0, "rss_mib": ru.ru_maxrss / 1024}
+
+
+def largest_tensor(ckpt: Path) -> tuple[int, int, int, int]:
+    """(largest model tensor bytes, model bytes, tensors, world size) from the index."""
+    from ckptool.format.metadata import model_keys, read_metadata
+    from ckptool.storage import Storage
+
+    meta = read_metadata(Storage.open(ckpt))
+    sizes = [meta.tensors[k].nbytes for k in model_keys(meta)]
+    return max(sizes), sum(sizes), len(sizes), meta.world_size or 0
+
+
+def stats(xs: list[float]) -> tuple[float, float, float]:
+    return min(xs), statistics.median(xs), max(xs)
+
+
+def fmt(xs: list[float], digits: int = 2) -> str:
+    lo, med, hi = stats(xs)
+    return f"{lo:.{digits}f} / **{med:.{digits}f}** / {hi:.{digits}f}"
+
+
+def render(results: dict[str, list[dict[str, float]]], info: dict[str, object]) -> str:
+    med = {k: {m: statistics.median(r[m] for r in v) for m in ("wall", "wall_sync", "rss_mib")}
+           for k, v in results.items()}
+    lines = [f"{SECTION}\n",
+             f"Checkpoint: {info['world_size']}-rank FSDP2-style DCP (`bench/gen_checkpoint.py`), "
+             f"{info['tensors']} model tensors, {info['model_bytes'] / 1e9:.2f} GB of fp32 weights ("
+             f"{info['disk_bytes'] / 1e9:.2f} GB on disk), largest tensor {info['largest'] / 2**20:.0f} MiB. "
+             f"Machine: {info['machine']}. Page cache: {info['cache']}. {info['runs']} runs per "
+             "tool, interleaved; min / **median** / max.\n",
+             "| tool | wall (s) | wall + sync (s) | peak RSS (MiB) |", "|---|---|---|---|"]
+    for name, runs in results.items():
+        lines.append(f"| `{name}` | {fmt([r['wall'] for r in runs])} | "
+                     f"{fmt([r['wall_sync'] for r in runs])} | {fmt([r['rss_mib'] for r in runs], 0)} |")
+    lines += ["", "`ckptool consolidate` fsyncs its output before renaming it into place, so a crash "
+              "never leaves a complete-looking file with missing data; `cp`, `accelerate` and "
+              "`torch.save` leave their writes in the page cache. \"wall + sync\" charges every "
+              "tool for the flush. By default ckptool also checks every record's CRC-32 (a second "
+              "read of each source file, in a thread beside the in-kernel copy); "
+              "`--no-crc-check` skips it. `--dtype` needs the bytes in Python (numpy cast).",
+              "", "Targets (medians):", ""] + targets(med, info)
+    lines += ["", f"Commands: `{info['gen']}` then `{info['bench']}`.", ""]
+    return "\n".join(lines)
+
+
+def targets(med: dict[str, dict[str, float]], info: dict[str, object]) -> list[str]:
+    c, cp, acc = med.get("ckptool consolidate"), med.get("cp -r"), med.get("accelerate merge-weights")
+    if c is None:
+        return []
+    out = []
+    rss_limit = info["largest"] / 2**20 + 64  # type: ignore[operator]
+    out.append(_check("peak RSS <= largest tensor + 64 MiB", c["rss_mib"], "<=", rss_limit,
+                      f"{c['rss_mib']:.0f} MiB vs {rss_limit:.0f} MiB"))
+    if cp:
+        for m, label in (("wall", "wall"), ("wall_sync", "wall + sync")):
+            r = c[m] / cp[m]
+            out.append(_check(f"{label} <= 1.25x `cp -r`", r, "<=", 1.25, f"{r:.2f}x"))
+    if acc:
+        for m, label in (("wall", "wall"), ("wall_sync", "wall + sync")):
+            r = acc[m] / c[m]
+            out.append(_check(f"{label} >= 5x faster than `accelerate merge-weights`", r, ">=", 5,
+                              f"{r:.1f}x"))
+        r = acc["rss_mib"] / c["rss_mib"]
+        out.append(_check(">= 20x less RAM than `accelerate merge-weights`", r, ">=", 20, f"{r:.0f}x"))
+    return out
+
+
+def _check(what: str, value: float, op: str, limit: float, shown: str) -> str:
+    ok = value <= limit if op == "<=" else value >= limit
+    return f"- {what}: {shown} — {'met' if ok else '**not met**'}"
+
+
+def write_section(md: Path, text: str) -> None:
+    """Insert or replace the ``## consolidate`` section of ``md``, leaving the rest alone."""
+    old = md.read_text() if md.exists() else "# Benchmarks\n"
+    lines = old.splitlines(keepends=True)
+    start = next((i for i, ln in enumerate(lines) if ln.strip() == SECTION), None)
+    if start is None:
+        new = old.rstrip("\n") + "\n\n" + text
+    else:
+        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+        new = "".join(lines[:start]) + text + ("\n" + "".join(lines[end:]) if end < len(lines) else "")
+    md.write_text(new.rstrip("\n") + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("checkpoint", type=Path)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/ckptool-consolidate-bench"))
+    ap.add_argument("--only", action="append", help="run only these tools (repeatable)")
+    ap.add_argument("--markdown", type=Path, help="write the table into this file's section")
+    ap.add_argument("--render-only", action="store_true",
+                    help="do not run anything: render WORK/results.json of an earlier run")
+    args = ap.parse_args()
+    if args.render_only:
+        saved = json.loads((args.work / "results.json").read_text())
+        results, info = saved["results"], saved["info"]
+    else:
+        args.work.mkdir(parents=True, exist_ok=True)
+        selected = {k: v for k, v in tools(args.checkpoint, args.work).items()
+                    if not args.only or k in args.only}
+        load0 = os.getloadavg()[1]
+        results, cold = run_all(selected, args.runs)
+        info = describe(args.checkpoint, args.runs, cold, load0)
+        (args.work / "results.json").write_text(json.dumps({"results": results, "info": info}, indent=1))
+    text = render(results, info)
+    print(text)
+    if args.markdown:
+        write_section(args.markdown, text)
+
+
+def run_all(selected: dict[str, tuple[list[str], Path]], runs: int) -> tuple[dict, bool]:
+    """Every tool ``runs`` times, interleaved, cache dropped before each run."""
+    results: dict[str, list[dict[str, float]]] = {k: [] for k in selected}
+    cold = True
+    for i in range(runs):
+        for name, (cmd, out) in selected.items():
+            cold &= drop_caches()
+            r = run_once(cmd)
+            results[name].append(r)
+            print(f"run {i + 1} {name}: {json.dumps({k: round(v, 3) for k, v in r.items()})}",
+                  flush=True)
+            if out.is_dir():
+                shutil.rmtree(out)
+            else:
+                out.unlink(missing_ok=True)
+    return results, cold
+
+
+def describe(ckpt: Path, runs: int, cold: bool, load0: float) -> dict[str, object]:
+    largest, model_bytes, n, ws = largest_tensor(ckpt)
+    return {
+        "largest": largest, "model_bytes": model_bytes, "tensors": n, "world_size": ws,
+        "disk_bytes": sum(e.stat().st_size for e in os.scandir(ckpt)), "runs": runs,
+        "cache": "dropped before every run" if cold else "warm (could not drop caches)",
+        "machine": f"{os.cpu_count()} CPUs, {_mem_gib():.0f} GiB RAM, Linux {platform.release()}, "
+                   f"Python {platform.python_version()}; 5-min load average {load0:.1f} at start, "
+                   f"{os.getloadavg()[1]:.1f} at end (other jobs share the machine)",
+        "gen": f"python bench/gen_checkpoint.py {ckpt} --ranks {ws} --size-gb {model_bytes / 1e9:.1f}",
+        "bench": f"python bench/consolidate_bench.py {ckpt} --runs {runs}",
+    }
+
+
+def _mem_gib() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""``ckptool consolidate``: export a checkpoint's model weights to safetensors."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from ckptool.cli._common import echo_json, human_bytes, parse_size, progress_enabled
+
+
+@click.command("consolidate")
+@click.argument("checkpoint")
+@click.argument("output", type=click.Path(dir_okay=True, file_okay=True))
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default=None,
+              help="Cast floating tensors on the way (round-to-nearest-even, as torch does).")
+@click.option("--max-shard-size", default="5GB", show_default=True, metavar="SIZE",
+              help="Largest shard when OUTPUT is a folder (e.g. 500MB, 2GiB).")
+@click.option("--include", multiple=True, metavar="GLOB",
+              help="Export only tensors whose output name matches (repeatable).")
+@click.option("--exclude", multiple=True, metavar="GLOB",
+              help="Leave out tensors whose output name matches (repeatable).")
+@click.option("--keep-prefix", is_flag=True, help="Keep the 'model.' prefix of the DCP keys.")
+@click.option("--verify", is_flag=True, help="Re-read the output and compare checksums.")
+@click.option("--no-crc-check", "no_crc", is_flag=True,
+              help="Skip the CRC-32 check of source records (allows in-kernel copies; damaged "
+                   "bytes go undetected).")
+@click.option("--json", "json_out", is_flag=True, help="Print a JSON summary.")
+def consolidate_cmd(checkpoint: str, output: str, dtype: str | None, max_shard_size: str,
+                    include: tuple[str, ...], exclude: tuple[str, ...], keep_prefix: bool,
+                    verify: bool, no_crc: bool, json_out: bool) -> None:
+    """Write the model weights of CHECKPOINT to OUTPUT as safetensors.
+
+    OUTPUT ending in .safetensors is one file; otherwise it is a folder of
+    HF-style shards (model-00001-of-0000N.safetensors and
+    model.safetensors.index.json). Names are the model's own state_dict()
+    keys. Bytes are streamed file to file; memory does not grow with the model.
+
+    \b
+    Examples:
+      ckptool consolidate runs/demo/step_40 model.safetensors
+      ckptool consolidate runs/demo/step_40 hf_out/ --dtype bfloat16 --max-shard-size 2GB
+    """
+    from ckptool.ops.consolidate import consolidate
+
+    limit = parse_size(max_shard_size)
+    with _progress_bar(progress_enabled(json_out)) as progress:
+        result = consolidate(checkpoint, output, dtype=dtype, max_shard_size=limit,
+                             include=include, exclude=exclude, keep_prefix=keep_prefix,
+                             verify=verify, check_crc=not no_crc, progress=progress)
+    if json_out:
+        echo_json(result)
+        return
+    shards = len([f for f in result.files if f.endswith(".safetensors")])
+    where = f"{result.destination} ({shards} files)" if shards > 1 else result.destination
+    click.echo(f"wrote {where}: {result.tensors} tensors, {human_bytes(result.bytes)} in "
+               f"{result.seconds:.1f} s from {result.source}"
+               f"{' (verified)' if result.verified else ''}")
+
+
+class _progress_bar:  # noqa: N801 - used like a function
+    """A tqdm bar on stderr (only on a terminal), exposed as consolidate's progress callback."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.bar: Any = None
+
+    def __enter__(self) -> Callable[[int, int], None] | None:
+        return self.update if self.enabled else None
+
+    def update(self, done: int, total: int) -> None:
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
+                            desc="consolidate", leave=False)
+        self.bar.update(done - self.bar.n)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.close()

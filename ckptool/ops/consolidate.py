@@ -1,0 +1,444 @@
+"""Export a sharded DCP checkpoint's model weights to safetensors, streaming, in bounded memory.
+
+The plan comes from ``.metadata`` alone: output names, dtypes, shapes and byte offsets, split
+into HF-style shards. Headers are written first, then data is placed with positioned writes,
+so copies run in source order: each source file is read front to back.
+
+Row-block chunks (FSDP2 ``Shard(0)``: offsets ``(k, 0, ..)``, full trailing dims) are one
+contiguous byte range of the output. They are copied in-kernel (``copy_file_range``) while a
+second thread reads the same file to check every record's CRC-32; when the bytes must pass
+through Python anyway (a cast, ``verify``, a remote source) each 8 MiB block is read once,
+checked, cast and written. Any other chunk layout is assembled one tensor at a time.
+
+Peak memory: an 8 MiB buffer (plus its cast) per worker, and for non-row-block tensors one
+full tensor; never the model. Output goes to a temporary name, fsynced, renamed at the end
+(``atomic_path``). Torch-free: casts are numpy (``cast_bytes``), bit-exact with torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import json
+import math
+import os
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterable
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckptool._version import __version__
+from ckptool.errors import (CheckpointNotFoundError, ConfigError, CorruptCheckpointError,
+                            IncompleteCheckpointError)
+from ckptool.format.dtypes import CAST_TARGETS, DTYPES, DType
+from ckptool.format.layout import CheckpointDir, resolve_checkpoint
+from ckptool.format.manifest import read_manifest
+from ckptool.format.metadata import CheckpointMetadata, Chunk, TensorEntry, model_keys
+from ckptool.format.reader import ChunkBytes, CheckpointReader
+from ckptool.format.safetensors_writer import (CASTABLE, INDEX_NAME, FileLayout, OutputFile,
+                                               StagedOutput, TensorSpec, cast_bytes, index_json,
+                                               plan_file, shard_filenames, split_shards)
+from ckptool.storage import BLOCK, is_url
+
+#: huggingface_hub's default ``max_shard_size``.
+DEFAULT_MAX_SHARD = 5 * 10**9
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class ConsolidateResult:
+    """What ``consolidate`` wrote.
+
+    Attributes:
+        source: the DCP folder read (for Accelerate output, its model part).
+        destination: the ``.safetensors`` file or the folder written.
+        files: every file written, index last when there is one.
+        tensors: number of tensors exported.
+        bytes: tensor data bytes written (after any cast).
+        seconds: wall time.
+        step, world_size: provenance of the source.
+        dtype: the cast target, or None when bytes were copied as saved.
+        verified: the output was re-read and matched the source checksums.
+    """
+
+    source: str
+    destination: str
+    files: tuple[str, ...]
+    tensors: int
+    bytes: int
+    seconds: float
+    step: int | None
+    world_size: int | None
+    dtype: str | None
+    verified: bool
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """Bytes of one row-block chunk -> one contiguous range of an output file."""
+
+    tensor: TensorEntry
+    chunk: Chunk
+    out: int          # index of the output file
+    offset: int       # absolute offset in that file
+    out_dtype: DType
+
+
+def consolidate(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
+                dtype: str | None = None, max_shard_size: int = DEFAULT_MAX_SHARD,
+                include: Iterable[str] = (), exclude: Iterable[str] = (),
+                keep_prefix: bool = False, verify: bool = False, check_crc: bool = True,
+                workers: int | None = None, progress: Progress | None = None) -> ConsolidateResult:
+    """Write a checkpoint's model weights as safetensors, streaming chunk bytes.
+
+    Peak memory is a fixed 8 MiB buffer per worker for row-block (FSDP2 ``Shard(0)``) chunks,
+    plus one full tensor for any other chunk layout; it does not grow with the model.
+
+    Args:
+        src: a committed checkpoint: DCP folder, ``step_N``/``step-N``, or Accelerate
+            ``save_state`` output (its ``pytorch_model_fsdp_0`` part is read).
+        dst: ``*.safetensors`` for one file, else a folder for HF-style shards
+            (``model-0000i-of-0000N.safetensors`` + ``model.safetensors.index.json``).
+        dtype: cast floating tensors to ``float32``, ``bfloat16`` or ``float16``.
+        max_shard_size: data bytes per shard in folder mode (a bigger tensor gets its own).
+        include, exclude: fnmatch patterns on output names; a tensor is kept when it matches
+            some include (or none are given) and no exclude.
+        keep_prefix: keep the DCP key's ``model.`` prefix in output names.
+        verify: re-read the output and compare xxh3 checksums with the bytes copied.
+        check_crc: check every source record's CRC-32 (False saves one read of the source
+            through memory, but lets damaged bytes through).
+        workers: threads for copy and check jobs (default 2; 1 for remote sources).
+        progress: called as ``progress(bytes_done, bytes_total)`` from the calling thread; an
+            exception it raises (e.g. ``KeyboardInterrupt``) aborts and removes the output.
+
+    Returns:
+        A ``ConsolidateResult``.
+
+    Raises:
+        CheckpointNotFoundError, IncompleteCheckpointError, CorruptCheckpointError: the source
+            fails ``validate`` (first problem in the message) or its bytes are damaged.
+        ConfigError: a bad option, or filters that match nothing.
+        CkptError: ``verify`` found the output differs from the source.
+
+    Example:
+        >>> r = consolidate("runs/demo/step_40", "model.safetensors", dtype="bfloat16")
+        >>> r.tensors, r.bytes
+    """
+    t0 = time.perf_counter()
+    cast = _cast_target(dtype)
+    if max_shard_size <= 0:
+        raise ConfigError(f"max_shard_size must be positive, got {max_shard_size}")
+    dst = _local_dst(dst)
+    ckpt, meta = _open_source(src)
+    selected = _select(meta, include, exclude, keep_prefix, ckpt.url)
+    specs = [TensorSpec(name, _out_dtype(t.dtype, cast), t.shape) for t, name in selected]
+    single = dst.suffix == ".safetensors" and not dst.is_dir()
+    groups = [specs] if single else split_shards(specs, max_shard_size)
+    names = [dst.name] if single else shard_filenames(len(groups))
+    header_meta = _provenance(ckpt, meta, cast)
+    layouts = [plan_file(n, g, header_meta) for n, g in zip(names, groups)]
+    pieces, whole = _plan_copies(selected, layouts, cast)
+    storage = ckpt.part(ckpt.model_part)
+    nworkers = workers or (2 if storage.is_local else 1)
+    inline = cast is not None or verify or not storage.is_local
+    with CheckpointReader(storage, meta) as ck, StagedOutput(dst, single=single) as out_dir:
+        paths = [out_dir / lay.filename for lay in layouts] if not single else [out_dir]
+        copier = _Copier(ck, check_crc=check_crc, track=verify, inline=inline)
+        copier.run(paths, layouts, pieces, whole, nworkers, progress)
+        if len(layouts) > 1:
+            (out_dir / INDEX_NAME).write_bytes(index_json(layouts))
+        for out in copier.outs if verify else ():
+            out.verify()
+    files = [dst] if single else [dst / lay.filename for lay in layouts]
+    files += [dst / INDEX_NAME] if len(layouts) > 1 else []
+    return ConsolidateResult(
+        source=storage.url, destination=str(dst), files=tuple(map(str, files)),
+        tensors=len(specs), bytes=sum(lay.data_bytes for lay in layouts),
+        seconds=time.perf_counter() - t0, step=_int_or_none(header_meta.get("source_step")),
+        world_size=meta.world_size,
+        dtype=cast.name if cast else None, verified=verify)
+
+
+# ---------------------------------------------------------------------------------------------
+# Planning (metadata only)
+
+
+def _cast_target(dtype: str | None) -> DType | None:
+    if dtype is None:
+        return None
+    if dtype not in CAST_TARGETS:
+        raise ConfigError(f"cannot cast to {dtype!r}; use one of {', '.join(CAST_TARGETS)}")
+    return DTYPES[dtype]
+
+
+def _out_dtype(src: DType, cast: DType | None) -> DType:
+    return cast if cast is not None and src.name in CASTABLE else src
+
+
+def _local_dst(dst: str | os.PathLike[str]) -> Path:
+    if is_url(dst):
+        raise ConfigError(f"{os.fspath(dst)}: consolidate writes to a local path; write locally "
+                          "and use 'ckptool upload' to ship the result")
+    return Path(os.path.abspath(os.fspath(dst)))
+
+
+def _open_source(src: str | os.PathLike[str]) -> tuple[CheckpointDir, CheckpointMetadata]:
+    """Resolve and structurally validate the model part; raise validate's first finding."""
+    from ckptool.ops.validate import validate
+
+    try:
+        ckpt = resolve_checkpoint(src)
+    except CheckpointNotFoundError as e:
+        if "holds no checkpoint" not in str(e):
+            raise
+        raise IncompleteCheckpointError(str(e), path=e.path) from None
+    ckpt = dataclasses.replace(ckpt, parts=(ckpt.model_part,))
+    report = validate(ckpt)
+    if not report.ok:
+        first, more = report.errors[0], len(report.errors) - 1
+        cls = IncompleteCheckpointError if first.code in ("incomplete", "empty") else CorruptCheckpointError
+        extra = f" (and {more} more problem{'s' * (more > 1)}; 'ckptool validate {ckpt.url}' lists " \
+                "them)" if more else ""
+        where = "" if ckpt.url in first.message else f" {ckpt.url}"
+        raise cls(f"cannot consolidate{where}: {first.message}{extra}", path=ckpt.url)
+    return ckpt, report.metadata[ckpt.model_part]
+
+
+def _select(meta: CheckpointMetadata, include: Iterable[str], exclude: Iterable[str],
+            keep_prefix: bool, where: str) -> list[tuple[TensorEntry, str]]:
+    inc, exc = tuple(include), tuple(exclude)
+    out = []
+    for fqn, name in model_keys(meta).items():
+        name = fqn if keep_prefix else name
+        if inc and not any(fnmatch.fnmatchcase(name, p) for p in inc):
+            continue
+        if any(fnmatch.fnmatchcase(name, p) for p in exc):
+            continue
+        out.append((meta.tensors[fqn], name))
+    if not out:
+        what = "no model weights" if not (inc or exc) else "no tensor matches the filters"
+        raise ConfigError(f"{where}: {what}; check --include/--exclude against 'ckptool inspect "
+                          f"{where}'")
+    return out
+
+
+def _provenance(ckpt: CheckpointDir, meta: CheckpointMetadata, cast: DType | None) -> dict[str, str]:
+    """The header's ``__metadata__`` (str -> str): format, source, and the model config when
+    the checkpoint's ``ckptool.json`` records one (``examples/generate.py`` builds the model
+    from it)."""
+    man = read_manifest(ckpt.part(ckpt.model_part))
+    step = man.step if man is not None and man.step is not None else ckpt.step
+    out = {"format": "pt", "ckptool_version": __version__, "source_checkpoint": ckpt.name}
+    if step is not None:
+        out["source_step"] = str(step)
+    if meta.world_size is not None:
+        out["source_world_size"] = str(meta.world_size)
+    if cast is not None:
+        out["dtype"] = cast.name
+    model_config = man.config.get("model_config") if man is not None else None
+    if isinstance(model_config, dict):
+        out["ckptool_model_config"] = json.dumps(model_config, sort_keys=True)
+    return out
+
+
+def _int_or_none(s: str | None) -> int | None:
+    return int(s) if s is not None else None
+
+
+def _is_row_block(t: TensorEntry) -> bool:
+    return all(c.offsets[1:] == (0,) * (len(t.shape) - 1) and c.sizes[1:] == t.shape[1:]
+               for c in t.chunks if c.numel)
+
+
+def _plan_copies(selected: list[tuple[TensorEntry, str]], layouts: list[FileLayout],
+                 cast: DType | None) -> tuple[list[_Piece], list[_Piece]]:
+    """Row-block pieces (one per non-empty chunk) and whole tensors assembled in memory."""
+    where = {t.name: (i, lay.offsets[t.name]) for i, lay in enumerate(layouts) for t in lay.tensors}
+    pieces, whole = [], []
+    for t, name in selected:
+        out, base = where[name]
+        odt = _out_dtype(t.dtype, cast)
+        if not _is_row_block(t):
+            whole.append(_Piece(t, t.chunks[0], out, base, odt))
+            continue
+        row = math.prod(t.shape[1:]) * odt.itemsize
+        pieces += [_Piece(t, c, out, base + (c.offsets[0] if c.offsets else 0) * row, odt)
+                   for c in t.chunks if c.numel]
+    # Read every source file front to back; output order does not matter (positioned writes).
+    pieces.sort(key=lambda p: (p.chunk.storage.relative_path, p.chunk.storage.offset))  # type: ignore[union-attr]
+    return pieces, whole
+
+
+# ---------------------------------------------------------------------------------------------
+# Copying
+
+
+class _Cancelled(Exception):
+    pass
+
+
+class _Copier:
+    """Moves chunk bytes into open output files.
+
+    Per source file, read front to back: a copy job (in-kernel ``copy_file_range``) and, when
+    CRC-32s are checked, a check job that reads the same file beside it, so the two overlap on
+    two cores. When the bytes must pass through Python anyway (a cast, ``verify``, a remote
+    source), one job per file reads each block once: CRC, cast, write.
+    """
+
+    def __init__(self, ck: CheckpointReader, *, check_crc: bool, track: bool, inline: bool) -> None:
+        self.ck, self.check_crc, self.track, self.inline = ck, check_crc, track, inline
+        self.done = 0
+        self.lock = threading.Lock()
+        self.cancel = threading.Event()
+        self.outs: list[OutputFile] = []
+
+    def run(self, paths: list[Path], layouts: list[FileLayout], pieces: list[_Piece],
+            whole: list[_Piece], nworkers: int, progress: Progress | None) -> None:
+        files: dict[str, list[_Piece]] = {}
+        for p in pieces:
+            files.setdefault(p.chunk.storage.relative_path, []).append(p)  # type: ignore[union-attr]
+        for rel in {c.storage.relative_path for p in pieces + whole for c in p.tensor.chunks
+                    if c.storage}:
+            self.ck.reader(rel)  # opened here, so worker threads only read
+        try:
+            for path, lay in zip(paths, layouts):
+                self.outs.append(OutputFile(path, lay, track=self.track))
+            with ThreadPoolExecutor(max(1, nworkers)) as pool:
+                futs = []
+                for ps in files.values():
+                    futs.append(pool.submit(self._copy_job, ps))
+                    if self.check_crc and not self.inline:
+                        futs.append(pool.submit(self._check_job, ps))
+                futs += [pool.submit(self._whole_job, whole)] if whole else []
+                self._wait(futs, sum(lay.data_bytes for lay in layouts), progress)
+        finally:
+            for o in self.outs:
+                o.close(sync=not self.cancel.is_set())
+
+    def _wait(self, futs: list, total: int, progress: Progress | None) -> None:
+        try:
+            pending = set(futs)
+            while pending:
+                finished, pending = wait(pending, timeout=0.2, return_when=FIRST_EXCEPTION)
+                for f in finished:
+                    f.result()  # raises a worker's error here
+                if progress is not None:
+                    progress(self.done, total)
+        except BaseException:
+            self.cancel.set()
+            wait(futs)
+            raise
+
+    def _advance(self, n: int) -> None:
+        if self.cancel.is_set():
+            raise _Cancelled
+        with self.lock:
+            self.done += n
+
+    # -- row-block chunks -----------------------------------------------------------------
+    def _copy_job(self, pieces: list[_Piece]) -> None:
+        buf = bytearray(BLOCK)
+        for p in pieces:
+            cb = self.ck.locate(p.tensor, p.chunk)
+            loc = cb.location
+            if not loc.contiguous:
+                self._write(p, self._gather(p, cb))
+            elif self.inline or p.out_dtype != loc.dtype or cb.reader.fileno is None:
+                self._stream(p, cb, buf)
+            else:
+                for pos in range(0, loc.nbytes, BLOCK):  # blocks, so cancel and progress work
+                    n = min(BLOCK, loc.nbytes - pos)
+                    self.outs[p.out].copy_from(cb.reader.fileno, loc.start + pos, n, p.offset + pos)
+                    self._advance(n)
+
+    def _check_job(self, pieces: list[_Piece]) -> None:
+        """CRC-32 of every record's storage, read beside the in-kernel copy of the same file."""
+        buf = bytearray(BLOCK)
+        for p in pieces:
+            cb = self.ck.locate(p.tensor, p.chunk)
+            loc, crc = cb.location, 0
+            for pos in range(loc.data_offset, loc.data_offset + loc.entry.size, BLOCK):
+                n = self._pread(cb, buf, pos, min(BLOCK, loc.data_offset + loc.entry.size - pos))
+                crc = zlib.crc32(memoryview(buf)[:n], crc)
+                self._advance(0)
+            if crc != loc.entry.crc:
+                raise self._damaged(p, cb, f"CRC-32 mismatch (stored {loc.entry.crc:08x}, "
+                                    f"computed {crc:08x})")
+
+    def _stream(self, p: _Piece, cb: ChunkBytes, buf: bytearray) -> None:
+        """Read the record's storage in blocks: CRC all of it, cast and write the chunk's part."""
+        loc = cb.location
+        check = self.check_crc and self.inline
+        lo, hi = (loc.data_offset, loc.data_offset + loc.entry.size) if check \
+            else (loc.start, loc.start + loc.nbytes)
+        crc, num, den = 0, p.out_dtype.itemsize, loc.dtype.itemsize
+        for pos in range(lo, hi, BLOCK):
+            n = self._pread(cb, buf, pos, min(BLOCK, hi - pos))
+            view = memoryview(buf)[:n]
+            crc = zlib.crc32(view, crc) if check else crc
+            a, b = max(pos, loc.start), min(pos + n, loc.start + loc.nbytes)
+            if a < b:
+                data = cast_bytes(view[a - pos:b - pos], loc.dtype, p.out_dtype)
+                self.outs[p.out].pwrite(data, p.offset + (a - loc.start) * num // den)
+                self._advance(len(data))
+        if check and crc != loc.entry.crc:
+            raise self._damaged(p, cb, f"CRC-32 mismatch (stored {loc.entry.crc:08x}, computed "
+                                f"{crc:08x})")
+
+    def _pread(self, cb: ChunkBytes, buf: bytearray, pos: int, n: int) -> int:
+        fd = cb.reader.fileno
+        if fd is not None:
+            got = os.preadv(fd, [memoryview(buf)[:n]], pos)
+        else:
+            data = cb.reader.pread(pos, n)
+            buf[:len(data)] = data
+            got = len(data)
+        if got != n:
+            raise CorruptCheckpointError(f"{self.ck.storage.url_of(cb.reader.rel)} is cut short "
+                                         f"at byte {pos + got}; run 'ckptool validate --deep'")
+        return got
+
+    def _damaged(self, p: _Piece, cb: ChunkBytes, what: str) -> CorruptCheckpointError:
+        where = self.ck.storage.url_of(cb.reader.rel)
+        return CorruptCheckpointError(
+            f"{where} (item {p.tensor.fqn}): {what}: the bytes are damaged; nothing was written",
+            path=where, hint="Use an earlier checkpoint; 'ckptool validate --deep' checks all records")
+
+    # -- other layouts: one tensor at a time -------------------------------------------------
+    def _gather(self, p: _Piece, cb: ChunkBytes) -> memoryview:
+        """One chunk's row-major bytes from any record (CRC-checked), cast to the output dtype."""
+        import numpy as np
+
+        loc = cb.location
+        raw = bytearray(loc.entry.size)
+        self._pread(cb, raw, loc.data_offset, loc.entry.size)
+        if self.check_crc and zlib.crc32(raw) != loc.entry.crc:
+            raise self._damaged(p, cb, "CRC-32 mismatch")
+        item = loc.dtype.itemsize
+        buf = np.frombuffer(raw, np.dtype(f"V{item}"))
+        view = np.lib.stride_tricks.as_strided(
+            buf[loc.storage_offset:], shape=loc.shape, strides=tuple(s * item for s in loc.strides))
+        raw_out = np.ascontiguousarray(view).reshape(-1).view(np.uint8)
+        return cast_bytes(memoryview(raw_out), loc.dtype, p.out_dtype)
+
+    def _whole_job(self, whole: list[_Piece]) -> None:
+        import numpy as np
+
+        for p in whole:
+            t, item = p.tensor, p.out_dtype.itemsize
+            full = np.empty(t.shape, np.dtype(f"V{item}"))
+            for c in t.chunks:
+                if c.numel:
+                    part = np.frombuffer(self._gather(p, self.ck.locate(t, c)), full.dtype)
+                    idx = tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes))
+                    full[idx] = part.reshape(c.sizes)
+                    self._advance(0)
+            self._write(p, memoryview(full.reshape(-1).view(np.uint8)))
+
+    def _write(self, p: _Piece, data: memoryview) -> None:
+        self.outs[p.out].pwrite(data, p.offset)
+        self._advance(len(data))
