@@ -21,10 +21,11 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import check, drop_caches, fmt, mem_gib, run_once, write_section  # noqa: E402
 
 SECTION = "## consolidate"
 
@@ -50,28 +51,8 @@ def tools(ckpt: Path, work: Path) -> dict[str, tuple[list[str], Path]]:
     }
 
 
-def drop_caches() -> bool:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
-def run_once(cmd: list[str]) -> dict[str, float]:
-    t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, ru = os.wait4(p.pid, 0)
-    t1 = time.perf_counter()
-    p.returncode = os.waitstatus_to_exitcode(status)
-    err = p.stderr.read().decode(errors="replace") if p.stderr else ""
-    if p.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed ({p.returncode}):\n{err[-2000:]}")
-    os.sync()
-    t2 = time.perf_counter()
-    return {"wall": t1 - t0, "wall_sync": t2 - t0, "rss_mib": ru.ru_maxrss / 1024}
 
 
 def largest_tensor(ckpt: Path) -> tuple[int, int, int, int]:
@@ -84,13 +65,8 @@ def largest_tensor(ckpt: Path) -> tuple[int, int, int, int]:
     return max(sizes), sum(sizes), len(sizes), meta.world_size or 0
 
 
-def stats(xs: list[float]) -> tuple[float, float, float]:
-    return min(xs), statistics.median(xs), max(xs)
 
 
-def fmt(xs: list[float], digits: int = 2) -> str:
-    lo, med, hi = stats(xs)
-    return f"{lo:.{digits}f} / **{med:.{digits}f}** / {hi:.{digits}f}"
 
 
 def render(results: dict[str, list[dict[str, float]]], info: dict[str, object]) -> str:
@@ -123,38 +99,24 @@ def targets(med: dict[str, dict[str, float]], info: dict[str, object]) -> list[s
         return []
     out = []
     rss_limit = info["largest"] / 2**20 + 64  # type: ignore[operator]
-    out.append(_check("peak RSS <= largest tensor + 64 MiB", c["rss_mib"], "<=", rss_limit,
+    out.append(check("peak RSS <= largest tensor + 64 MiB", c["rss_mib"], "<=", rss_limit,
                       f"{c['rss_mib']:.0f} MiB vs {rss_limit:.0f} MiB"))
     if cp:
         for m, label in (("wall", "wall"), ("wall_sync", "wall + sync")):
             r = c[m] / cp[m]
-            out.append(_check(f"{label} <= 1.25x `cp -r`", r, "<=", 1.25, f"{r:.2f}x"))
+            out.append(check(f"{label} <= 1.25x `cp -r`", r, "<=", 1.25, f"{r:.2f}x"))
     if acc:
         for m, label in (("wall", "wall"), ("wall_sync", "wall + sync")):
             r = acc[m] / c[m]
-            out.append(_check(f"{label} >= 5x faster than `accelerate merge-weights`", r, ">=", 5,
+            out.append(check(f"{label} >= 5x faster than `accelerate merge-weights`", r, ">=", 5,
                               f"{r:.1f}x"))
         r = acc["rss_mib"] / c["rss_mib"]
-        out.append(_check(">= 20x less RAM than `accelerate merge-weights`", r, ">=", 20, f"{r:.0f}x"))
+        out.append(check(">= 20x less RAM than `accelerate merge-weights`", r, ">=", 20, f"{r:.0f}x"))
     return out
 
 
-def _check(what: str, value: float, op: str, limit: float, shown: str) -> str:
-    ok = value <= limit if op == "<=" else value >= limit
-    return f"- {what}: {shown} — {'met' if ok else '**not met**'}"
 
 
-def write_section(md: Path, text: str) -> None:
-    """Insert or replace the ``## consolidate`` section of ``md``, leaving the rest alone."""
-    old = md.read_text() if md.exists() else "# Benchmarks\n"
-    lines = old.splitlines(keepends=True)
-    start = next((i for i, ln in enumerate(lines) if ln.strip() == SECTION), None)
-    if start is None:
-        new = old.rstrip("\n") + "\n\n" + text
-    else:
-        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-        new = "".join(lines[:start]) + text + ("\n" + "".join(lines[end:]) if end < len(lines) else "")
-    md.write_text(new.rstrip("\n") + "\n")
 
 
 def main() -> None:
@@ -181,7 +143,7 @@ def main() -> None:
     text = render(results, info)
     print(text)
     if args.markdown:
-        write_section(args.markdown, text)
+        write_section(args.markdown, SECTION, text)
 
 
 def run_all(selected: dict[str, tuple[list[str], Path]], runs: int) -> tuple[dict, bool]:
@@ -208,7 +170,7 @@ def describe(ckpt: Path, runs: int, cold: bool, load0: float) -> dict[str, objec
         "largest": largest, "model_bytes": model_bytes, "tensors": n, "world_size": ws,
         "disk_bytes": sum(e.stat().st_size for e in os.scandir(ckpt)), "runs": runs,
         "cache": "dropped before every run" if cold else "warm (could not drop caches)",
-        "machine": f"{os.cpu_count()} CPUs, {_mem_gib():.0f} GiB RAM, Linux {platform.release()}, "
+        "machine": f"{os.cpu_count()} CPUs, {mem_gib():.0f} GiB RAM, Linux {platform.release()}, "
                    f"Python {platform.python_version()}; 5-min load average {load0:.1f} at start, "
                    f"{os.getloadavg()[1]:.1f} at end (other jobs share the machine)",
         "gen": f"python bench/gen_checkpoint.py {ckpt} --ranks {ws} --size-gb {model_bytes / 1e9:.1f}",
@@ -216,8 +178,6 @@ def describe(ckpt: Path, runs: int, cold: bool, load0: float) -> dict[str, objec
     }
 
 
-def _mem_gib() -> float:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
 
 
 if __name__ == "__main__":

@@ -26,11 +26,12 @@ import platform
 import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import check, drop_caches, fmt, mem_gib, run_once, write_section  # noqa: E402
 
 SECTION = "## reshard"
 
@@ -105,32 +106,8 @@ def dcp_route(src: str, dst: str, m: int) -> None:
 # Measuring
 
 
-def drop_caches() -> bool:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
-def run_once(cmd: list[str]) -> dict[str, float]:
-    t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    _, status, ru = os.wait4(p.pid, 0)
-    t1 = time.perf_counter()
-    out = p.stdout.read().decode(errors="replace") if p.stdout else ""
-    err = p.stderr.read().decode(errors="replace") if p.stderr else ""
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{err[-2000:]}")
-    os.sync()
-    t2 = time.perf_counter()
-    r = {"wall": t1 - t0, "wall_sync": t2 - t0, "rss_mib": ru.ru_maxrss / 1024}
-    for line in out.splitlines():
-        if line.startswith('{"rss_sum_mib"'):
-            r["rss_sum_mib"] = json.loads(line)["rss_sum_mib"]
-    return r
 
 
 def describe(ckpt: Path, m: int) -> dict[str, object]:
@@ -148,9 +125,6 @@ def describe(ckpt: Path, m: int) -> dict[str, object]:
             "disk_bytes": sum(e.stat().st_size for e in os.scandir(ckpt))}
 
 
-def fmt(xs: list[float], digits: int = 2) -> str:
-    return (f"{min(xs):.{digits}f} / **{statistics.median(xs):.{digits}f}** / "
-            f"{max(xs):.{digits}f}")
 
 
 def render(results: dict[str, list[dict[str, float]]], info: dict[str, object]) -> str:
@@ -185,12 +159,12 @@ def targets(results: dict[str, list[dict[str, float]]], info: dict[str, object])
     for name, r in med.items():
         if not name.startswith("ckptool"):
             continue
-        out.append(_check(f"`{name}`: peak RSS <= largest (source) chunk + 64 MiB", r["rss_mib"],
+        out.append(check(f"`{name}`: peak RSS <= largest (source) chunk + 64 MiB", r["rss_mib"],
                           "<=", limit, f"{r['rss_mib']:.0f} MiB vs {limit:.0f} MiB"))
         for m, label in (("wall", "wall"), ("wall_sync", "wall + sync")):
             if cp:
                 x = r[m] / cp[m]
-                out.append(_check(f"`{name}`: {label} <= 1.25x `cp -r`", x, "<=", 1.25,
+                out.append(check(f"`{name}`: {label} <= 1.25x `cp -r`", x, "<=", 1.25,
                                   f"{x:.2f}x"))
     dcp = next((v for k, v in med.items() if k.startswith("DCP")), None)
     main = next((v for k, v in med.items() if k.startswith("ckptool") and "no-verify" not in k),
@@ -201,24 +175,8 @@ def targets(results: dict[str, list[dict[str, float]]], info: dict[str, object])
     return out
 
 
-def _check(what: str, value: float, op: str, limit: float, shown: str) -> str:
-    ok = value <= limit if op == "<=" else value >= limit
-    return f"- {what}: {shown} — {'met' if ok else '**not met**'}"
 
 
-def write_section(md: Path, text: str) -> None:
-    """Insert or replace the ``## reshard`` section of ``md`` (re-read now), leaving the rest."""
-    old = md.read_text() if md.exists() else "# Benchmarks\n"
-    lines = old.splitlines(keepends=True)
-    start = next((i for i, ln in enumerate(lines) if ln.strip() == SECTION), None)
-    if start is None:
-        new = old.rstrip("\n") + "\n\n" + text
-    else:
-        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")),
-                   len(lines))
-        new = "".join(lines[:start]) + text + ("\n" + "".join(lines[end:]) if end < len(lines)
-                                               else "")
-    md.write_text(new.rstrip("\n") + "\n")
 
 
 def main() -> None:
@@ -252,7 +210,7 @@ def main() -> None:
             shutil.rmtree(out, ignore_errors=True)
     info = {**describe(args.checkpoint, args.to), "runs": args.runs,
             "cache": "dropped before every run" if cold else "warm (could not drop caches)",
-            "machine": f"{os.cpu_count()} CPUs, {_mem_gib():.0f} GiB RAM, Linux "
+            "machine": f"{os.cpu_count()} CPUs, {mem_gib():.0f} GiB RAM, Linux "
                        f"{platform.release()}, Python {platform.python_version()}"}
     info["gen"] = (f"python bench/gen_checkpoint.py {args.checkpoint} --ranks {info['world_size']} "
                    f"--size-gb {info['tensor_bytes'] / 1e9:.1f}")
@@ -263,11 +221,9 @@ def main() -> None:
     (args.work / "results.json").write_text(json.dumps({"results": results, "info": info},
                                                        indent=1))
     if args.markdown:
-        write_section(args.markdown, text)
+        write_section(args.markdown, SECTION, text)
 
 
-def _mem_gib() -> float:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
 
 
 if __name__ == "__main__":

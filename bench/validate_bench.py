@@ -18,6 +18,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import drop_caches  # noqa: E402
+
 
 def make_checkpoint(path: Path, n_tensors: int, files: int, total_mb: int) -> None:
     if (path / ".metadata").exists():
@@ -34,13 +37,6 @@ def make_checkpoint(path: Path, n_tensors: int, files: int, total_mb: int) -> No
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(path), thread_count=files))
 
 
-def drop_caches() -> bool:
-    try:
-        subprocess.run(["sync"], check=True)
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def timed(fn) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -54,3 +55,31 @@ def parse_size(text: str) -> int:
 
 def progress_enabled(json_out: bool) -> bool:
     return (not json_out) and sys.stderr.isatty()
+
+
+class byte_progress:  # noqa: N801 - used like a function
+    """A tqdm bar of bytes on stderr, exposed as an op's ``progress(done, total)`` callback.
+
+    ``with byte_progress("consolidate", enabled) as progress:`` yields the callback, or None
+    when disabled (not a terminal, or ``--json``), so the op skips progress work entirely.
+    """
+
+    def __init__(self, desc: str, enabled: bool) -> None:
+        self.desc = desc
+        self.enabled = enabled
+        self.bar: Any = None
+
+    def __enter__(self) -> Callable[[int, int], None] | None:
+        return self.update if self.enabled else None
+
+    def update(self, done: int, total: int) -> None:
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
+                            desc=self.desc, leave=False)
+        self.bar.update(done - self.bar.n)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.close()

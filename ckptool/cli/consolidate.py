@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
 
 import click
 
-from ckptool.cli._common import echo_json, human_bytes, parse_size, progress_enabled
+from ckptool.cli._common import (byte_progress, echo_json, human_bytes, parse_size,
+                                 progress_enabled)
 
 
 @click.command("consolidate")
@@ -45,7 +44,7 @@ def consolidate_cmd(checkpoint: str, output: str, dtype: str | None, max_shard_s
     from ckptool.ops.consolidate import consolidate
 
     limit = parse_size(max_shard_size)
-    with _progress_bar(progress_enabled(json_out)) as progress:
+    with byte_progress("consolidate", progress_enabled(json_out)) as progress:
         result = consolidate(checkpoint, output, dtype=dtype, max_shard_size=limit,
                              include=include, exclude=exclude, keep_prefix=keep_prefix,
                              verify=verify, check_crc=not no_crc, progress=progress)
@@ -57,26 +56,3 @@ def consolidate_cmd(checkpoint: str, output: str, dtype: str | None, max_shard_s
     click.echo(f"wrote {where}: {result.tensors} tensors, {human_bytes(result.bytes)} in "
                f"{result.seconds:.1f} s from {result.source}"
                f"{' (verified)' if result.verified else ''}")
-
-
-class _progress_bar:  # noqa: N801 - used like a function
-    """A tqdm bar on stderr (only on a terminal), exposed as consolidate's progress callback."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
-        self.bar: Any = None
-
-    def __enter__(self) -> Callable[[int, int], None] | None:
-        return self.update if self.enabled else None
-
-    def update(self, done: int, total: int) -> None:
-        if self.bar is None:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
-                            desc="consolidate", leave=False)
-        self.bar.update(done - self.bar.n)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ckptool.cli._common import echo_json, human_bytes, progress_enabled
+from ckptool.cli._common import byte_progress, echo_json, human_bytes, progress_enabled
 
 
 @click.command("reshard")
@@ -36,7 +36,7 @@ def reshard_cmd(src: str, dst: str | None, to: int, from_: int | None, force: bo
     """
     from ckptool.ops.reshard import reshard
 
-    with _progress_bar(progress_enabled(json_out)) as progress:
+    with byte_progress("reshard", progress_enabled(json_out)) as progress:
         result = reshard(src, dst, world_size=to, expect_from=from_, force=force, verify=verify,
                          progress=progress)
     if json_out:
@@ -47,26 +47,3 @@ def reshard_cmd(src: str, dst: str | None, to: int, from_: int | None, force: bo
                f"{result.tensors} tensors, {result.objects} other values, "
                f"{human_bytes(result.bytes)} in {result.seconds:.1f} s"
                f"{' (verified)' if result.verified else ' (not verified)'}")
-
-
-class _progress_bar:  # noqa: N801 - used like a function
-    """A tqdm bar on stderr (only on a terminal), exposed as reshard's progress callback."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
-        self.bar = None
-
-    def __enter__(self):  # noqa: ANN204 - returns the callback or None
-        return self.update if self.enabled else None
-
-    def update(self, done: int, total: int) -> None:
-        if self.bar is None:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
-                            desc="reshard", leave=False)
-        self.bar.update(done - self.bar.n)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.close()

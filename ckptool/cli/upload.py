@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from ckptool.cli._common import echo_json, human_bytes, parse_size, progress_enabled
+from ckptool.cli._common import byte_progress, echo_json, human_bytes, parse_size, progress_enabled
 
 if TYPE_CHECKING:
     from ckptool.ops.upload import UploadResult
@@ -54,7 +54,6 @@ def upload_cmd(path: str, repo_id: str, private: bool, revision: str | None,
     from huggingface_hub.utils import disable_progress_bars
     from huggingface_hub.utils import logging as hf_logging
 
-    from ckptool.cli.consolidate import _progress_bar
     from ckptool.ops.upload import upload
 
     hf_logging.disable_propagation()  # it has its own handler; ours would print each line twice
@@ -62,7 +61,7 @@ def upload_cmd(path: str, repo_id: str, private: bool, revision: str | None,
     if not show:
         disable_progress_bars()
     limit = parse_size(max_shard_size) if max_shard_size is not None else None
-    with _progress_bar(show) as progress:
+    with byte_progress("upload", show) as progress:
         result = upload(path, repo_id, private=private, revision=revision,
                         path_in_repo=path_in_repo, commit_message=commit_message,
                         create_pr=create_pr, dtype=dtype, max_shard_size=limit, token=token,
