@@ -298,6 +298,9 @@ def _int(v: Any, what: str, *, minimum: int = 0) -> int:
 
 
 def _dims(v: Any, what: str) -> tuple[int, ...]:
+    if type(v) is tuple and len(v) <= MAX_NDIM and all(type(x) is int for x in v) \
+            and (not v or min(v) >= 0):
+        return v
     if not isinstance(v, tuple) or len(v) > MAX_NDIM:
         raise _Bad(f"{what} is {v!r}, expected a tuple of sizes")
     return tuple(_int(x, what) for x in v)

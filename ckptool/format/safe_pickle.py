@@ -79,6 +79,9 @@ class Record:
             setattr(self, k, v)
 
     def __setstate__(self, state: Any) -> None:
+        if type(state) is dict:  # the common case, kept fast: 10,000-tensor indexes call this 10^5 times
+            self.__dict__.update(state)
+            return
         if isinstance(state, tuple) and len(state) == 2 and isinstance(state[0], (dict, type(None))):
             state = {**(state[0] or {}), **(state[1] or {})}
         if isinstance(state, tuple) and self._positional:
