@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -241,7 +243,7 @@ class Checkpointer:
             self.root.mkdir(parents=True, exist_ok=True)
             if path.exists():
                 logger.warning("replacing existing %s", path)
-                Storage.open(path).remove_tree()
+                _remove(self.root, path.name)
         _barrier()
 
     def _start_async(self, state: dict[str, Any], step: int, path: Path, loss: float | None, t0: float) -> None:
@@ -284,10 +286,14 @@ class Checkpointer:
     def _committed(self, step: int, path: Path, loss: float | None) -> None:
         if _rank() != 0:
             return
+        # DCP fsyncs the files and .metadata but not the folder: make the rename of .metadata
+        # durable before anything (manifest, retention) treats the save as done.
+        _fsync_dir(path)
         storage = Storage.open(path)
         manifest = mf.build_manifest(storage, step=step, world_size=_world_size(), loss=loss,
                                      config=self.config)
         mf.write_manifest(storage, manifest)
+        _fsync_dir(path)
         logger.info("saved %s", path)
         self._retain()
 
@@ -343,7 +349,9 @@ class Checkpointer:
         inflight = p.step if p is not None and not p.done.is_set() else None
         for c in retention_victims(step_checkpoints(self.root), self.keep, inflight=inflight):
             logger.info("retention: removing %s", c.url)
-            c.storage.remove_tree()
+            _remove(self.root, c.name)
+        for leftover in _deleting_leftovers(self.root):  # from a removal a crash cut short
+            shutil.rmtree(self.root / leftover, ignore_errors=True)
 
     # -- loading ----------------------------------------------------------------------------
     def list(self) -> list[layout.CheckpointDir]:
@@ -416,6 +424,41 @@ class Checkpointer:
             extra.update({k: state[k] for k in extra})
         self.last_loaded = str(path)
         return layout.step_of(Path(path).name) or 0
+
+
+def _remove(root: Path, name: str) -> None:
+    """Remove the folder ``root/name``, first renaming it to a hidden ``.name.deleting-*``.
+
+    A crash in the middle of ``rmtree`` could otherwise leave ``.metadata`` beside a missing
+    ``.distcp`` file: a committed checkpoint that fails validation. The rename is atomic, and
+    ``layout.list_checkpoints`` skips hidden folders, so the checkpoint vanishes at once.
+    """
+    hidden = root / f".{name}.deleting-{uuid.uuid4().hex[:8]}"
+    try:
+        os.replace(root / name, hidden)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(hidden, ignore_errors=True)
+
+
+def _deleting_leftovers(root: Path) -> list[str]:
+    try:
+        return [n for n in os.listdir(root) if n.startswith(".step_") and ".deleting-" in n]
+    except OSError:
+        return []
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems cannot fsync a folder; the files themselves were synced
+    finally:
+        os.close(fd)
 
 
 def _validation_problem(path: str | os.PathLike[str]) -> str | None:

@@ -209,7 +209,12 @@ def _drain(events: Any, on_event: Callable[[Any], None] | None, rank_errors: lis
 
 
 def _raise_failure(processes: list[Any], failed: list[int], rank_errors: list[_RankError]) -> None:
-    if rank_errors:  # a CkptError in a rank: the user's problem, say it as the rank said it
+    # A rank killed from outside (SIGKILL, SIGTERM, ...) comes first even when a peer then
+    # raised a CkptError: with async saves the survivor's background save fails ("Connection
+    # closed by peer") and that message hid which rank died (found by bench/crash_bench.py).
+    # SIGABRT is left out: it is how a rank that lost its peer mid-collective may end.
+    killed = [i for i in failed if processes[i].exitcode < 0 and -processes[i].exitcode != signal.SIGABRT]
+    if rank_errors and not killed:  # a CkptError in a rank: the user's problem, say it as the rank said it
         first = rank_errors[0]
         cls = getattr(errors, first.kind, None)
         cls = cls if isinstance(cls, type) and issubclass(cls, CkptError) else CkptError
@@ -220,6 +225,9 @@ def _raise_failure(processes: list[Any], failed: list[int], rank_errors: list[_R
     how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
     others = [i for i in failed if i != cause]
     also = f" (then rank(s) {', '.join(map(str, others))} failed too)" if others else ""
+    if rank_errors:
+        said = " ".join(rank_errors[0].message.split())[:200]
+        also += f"; rank {rank_errors[0].rank} then reported: {said}"
     raise RankFailedError(
         f"rank {cause} {how}{also}; the other ranks were stopped",
         rank=cause, exit_code=code,
