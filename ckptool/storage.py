@@ -8,6 +8,7 @@ A ``Storage`` is rooted at one folder; every path given to it is relative to tha
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import posixpath
 import shutil
@@ -274,9 +275,27 @@ def atomic_path(dst: str | os.PathLike[str]) -> Iterator[Path]:
         if dst.is_dir() and not dst.is_symlink():
             shutil.rmtree(dst)
         os.replace(tmp, dst)
-    except BaseException:
+    except BaseException as e:
         if tmp.is_dir():
             shutil.rmtree(tmp, ignore_errors=True)
         elif tmp.exists():
             tmp.unlink()
+        if isinstance(e, OSError) and _is_output_error(e, dst):
+            raise CkptError(
+                f"cannot write {dst}: {e.strerror or e}; nothing was written", path=str(dst),
+                hint="Free space, fix the permissions, or choose another destination",
+            ) from e
         raise
+
+
+# Errors that can only come from writing (or from a file under the destination's folder).
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
+_PATH_ERRNOS = {errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR}
+
+
+def _is_output_error(e: OSError, dst: Path) -> bool:
+    if e.errno in _WRITE_ERRNOS:
+        return True
+    if e.errno in _PATH_ERRNOS and e.filename is not None:
+        return os.path.abspath(os.fsdecode(e.filename)).startswith(os.path.abspath(dst.parent))
+    return False

@@ -3,7 +3,7 @@
 It is written only after the checkpoint is committed (``.metadata`` exists), so its presence
 never makes a torn save look complete. It records what a later reader cannot recover from
 DCP's index alone: the step, the world size, the training config and loss, and every file's
-size and checksum (xxh3-64: about 10x faster than sha256 here, see docs/BENCHMARKS.md).
+size and checksum (xxh3-64: about 8.7x faster than sha256 here, see docs/RELIABILITY.md).
 
 Format (JSON object, keys sorted, UTF-8):
     {"format": "ckptool-manifest", "version": 1, "step": int|null, "world_size": int|null,

@@ -305,7 +305,11 @@ class StagedOutput:
             raise ConfigError(f"{self.dst} is a file; pass a new folder or a .safetensors name")
         tmp = self._atomic.__enter__()
         if not self.single:
-            tmp.mkdir()
+            try:
+                tmp.mkdir()
+            except OSError as e:  # e.g. a read-only destination: let atomic_path word it
+                self._atomic.__exit__(type(e), e, e.__traceback__)
+                raise
         return tmp
 
     def __exit__(self, et: object, ev: BaseException | None, tb: object) -> bool:

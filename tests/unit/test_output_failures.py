@@ -72,10 +72,7 @@ def _assert_clean_failure(proc: subprocess.CompletedProcess, dest_dir: Path, *wo
     assert any(w in proc.stderr for w in words), proc.stderr
     leftovers = sorted(os.listdir(dest_dir)) if dest_dir.exists() else []
     assert leftovers == [], f"output left behind after a failed write: {leftovers}"
-    if "Traceback" in proc.stderr:
-        # Known (issue 7 report): consolidate and reshard let the OSError escape, so the CLI
-        # prints a traceback instead of one "error: ..." line. Flips to a pass once fixed.
-        pytest.xfail("OSError from the output path is not turned into a CkptError")
+    assert "Traceback" not in proc.stderr, proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert lines and lines[0].startswith("error: "), proc.stderr
     assert len([ln for ln in lines if ln.startswith("error: ")]) == 1, proc.stderr
