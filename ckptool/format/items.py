@@ -43,6 +43,7 @@ class ZipEntry:
     size: int            # uncompressed == compressed for stored entries
     header_offset: int   # of the local header, relative to the record start
     shared: bytes = b""  # version needed, flags, method, time, date: repeated in the local header
+    cd_pos: int = -1     # of its central-directory record, relative to the record start
 
 
 @dataclass(frozen=True)
@@ -160,7 +161,7 @@ class RecordReader:
                                 "records are stored uncompressed")
             if name in entries:
                 raise self._bad(f"entry {name} appears twice")
-            entries[name] = ZipEntry(name, method, crc, usize, hoff, cd[p + 6:p + 16])
+            entries[name] = ZipEntry(name, method, crc, usize, hoff, cd[p + 6:p + 16], cd_off + p)
             # made-by, comment length, disk, attributes: the same for every entry torch writes
             self._cd_fixed.append(cd[p + 4:p + 6] + cd[p + 32:p + 42])
             if extra and not _padding_ok(extra):
@@ -329,6 +330,55 @@ class RecordReader:
 
     def _missing_pkl(self) -> ZipEntry:
         raise self._bad("no data.pkl (not a torch.save record)")
+
+
+class RecordTemplate:
+    """The layout of one fully verified tensor record, to check records shaped like it fast.
+
+    DCP writes thousands of records that differ only in their tensor bytes, their random
+    ``serialization_id`` and the CRC-32s of those two entries. A record of the same length
+    whose every other byte equals the template's has the same verified structure and the
+    same ``data.pkl`` (so the same dtype, shape and strides); only the two varying entries'
+    CRC-32s are left to check. Anything that differs falls back to the full parse.
+    """
+
+    def __init__(self, rec: RecordReader, loc: TensorLocation, buf: bytes) -> None:
+        varying = [e for e in rec.entries.values()
+                   if e.name.endswith((f"/data/{loc.entry.name.rsplit('/', 1)[-1]}",
+                                       ".data/serialization_id")) and e.shared[2] & 0x08]
+        masks = []  # (start, end) relative byte ranges allowed to differ
+        self.crcs = []  # (data start, data end, descriptor crc pos, directory crc pos)
+        for e in varying:
+            start = rec.data_offset(e) - rec.ref.offset
+            masks += [(start, start + e.size), (start + e.size + 4, start + e.size + 8),
+                      (e.cd_pos + 16, e.cd_pos + 20)]
+            self.crcs.append((start, start + e.size, start + e.size + 4, e.cd_pos + 16))
+        self.segments, pos = [], 0
+        for a, b in sorted(masks):
+            self.segments.append((pos, a))
+            pos = b
+        self.segments.append((pos, len(buf)))
+        self.buf = buf
+        self.loc = loc
+        self.base = rec.ref.offset
+
+    def matches(self, buf: bytes) -> bool:
+        tpl = self.buf
+        return len(buf) == len(tpl) and all(buf[a:b] == tpl[a:b] for a, b in self.segments)
+
+    def crc_ok(self, buf: bytes) -> bool:
+        view = memoryview(buf)
+        for start, end, desc, cd in self.crcs:
+            stored = struct.unpack_from("<I", buf, desc)[0]
+            if stored != struct.unpack_from("<I", buf, cd)[0] or crc32(view[start:end]) != stored:
+                return False
+        return True
+
+    def location(self, ref: StorageRef) -> TensorLocation:
+        """The template's tensor, moved to ``ref``'s record."""
+        loc = self.loc
+        return TensorLocation(loc.dtype, loc.shape, loc.strides, loc.storage_offset,
+                              loc.storage_numel, loc.data_offset - self.base + ref.offset, loc.entry)
 
 
 def _padding_ok(extra: bytes) -> bool:

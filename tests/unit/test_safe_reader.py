@@ -137,3 +137,32 @@ def test_deep_finds_a_flipped_bit_anywhere_in_a_shard(single_ckpt, tmp_path):
     assert missed == []
     target.write_bytes(data)
     assert validate(work, deep=True).ok
+
+
+def test_deep_fast_path_for_same_shaped_records_still_finds_damage(tmp_path):
+    """Records laid out like an already verified one are checked against it: damage in their
+    data, their CRCs or their structure is still found, and named on the right key."""
+    import torch
+
+    from factory import make_single_checkpoint
+
+    from ckptool.format.reader import CheckpointReader
+    from ckptool.ops.validate import validate
+
+    g = torch.Generator().manual_seed(1)
+    ckpt = make_single_checkpoint(tmp_path / "c", {f"w{i}": torch.randn(7, 3, generator=g)
+                                                   for i in range(12)})
+    assert validate(ckpt, deep=True).ok
+    with CheckpointReader(Storage.open(ckpt)) as ck:
+        t = ck.meta.tensors["model.w9"]
+        cb = ck.locate(t, t.chunks[0])
+        ref = t.chunks[0].storage
+    shard = ckpt / ref.relative_path
+    good = shard.read_bytes()
+    for pos in (cb.start + 5, ref.offset + 3, ref.offset + ref.length - 30, cb.start - 20):
+        bad = bytearray(good)
+        bad[pos] ^= 0x10
+        shard.write_bytes(bytes(bad))
+        report = validate(ckpt, deep=True)
+        assert [f.fqn for f in report.errors] == ["model.w9"], (pos, report.findings)
+    shard.write_bytes(good)
