@@ -169,6 +169,9 @@ def read_header(path: str | os.PathLike[str]) -> tuple[dict[str, object], int]:
         header = json.loads(text)
     except ValueError as e:
         raise CorruptCheckpointError(f"{path}: header is not JSON ({e})") from None
+    if not isinstance(header, dict) or not all(
+            isinstance(v, dict) for k, v in header.items() if k != "__metadata__"):
+        raise CorruptCheckpointError(f"{path}: header is not a safetensors header object")
     for name, info in header.items():
         if name != "__metadata__" and info.get("dtype") not in BY_SAFETENSORS:
             raise CorruptCheckpointError(f"{path}: {name} has unknown dtype {info.get('dtype')!r}")
