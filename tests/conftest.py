@@ -71,3 +71,13 @@ def s3_bucket(s3_server, request):
     name = f"ckpt-{uuid.uuid4().hex[:10]}"
     fs.mkdir(name)
     return name
+
+
+def pytest_addoption(parser):
+    parser.addoption("--update-golden", action="store_true",
+                     help="rewrite tests/golden/* from the current output")
+
+
+@pytest.fixture()
+def update_golden(request) -> bool:
+    return bool(request.config.getoption("--update-golden"))
