@@ -359,8 +359,7 @@ class RecordTemplate:
             pos = b
         self.segments.append((pos, len(buf)))
         self.buf = buf
-        self.loc = loc
-        self.base = rec.ref.offset
+        self.loc = loc  # dtype, shape and strides of every matching record (offsets differ)
 
     def matches(self, buf: bytes) -> bool:
         tpl = self.buf
@@ -373,12 +372,6 @@ class RecordTemplate:
             if stored != struct.unpack_from("<I", buf, cd)[0] or crc32(view[start:end]) != stored:
                 return False
         return True
-
-    def location(self, ref: StorageRef) -> TensorLocation:
-        """The template's tensor, moved to ``ref``'s record."""
-        loc = self.loc
-        return TensorLocation(loc.dtype, loc.shape, loc.strides, loc.storage_offset,
-                              loc.storage_numel, loc.data_offset - self.base + ref.offset, loc.entry)
 
 
 def _padding_ok(extra: bytes) -> bool:

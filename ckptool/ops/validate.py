@@ -284,17 +284,18 @@ class _PartCheck:
                 if ref.offset + ref.length > size:
                     continue  # already reported as truncated
                 try:
-                    where = f"{self.st.url_of(rel)} (item {fqn})"
                     tpl = templates.get(ref.length) if fqn in self.meta.tensors else None
-                    if tpl is not None and ref.length <= DEEP_PRELOAD:
+                    if tpl is not None:  # the fast path: same layout as a verified record
                         buf = reader.pread(ref.offset, ref.length)
                         if tpl.matches(buf):
+                            where = f"{self.st.url_of(rel)} (item {fqn})"
                             if not tpl.crc_ok(buf):
                                 raise CorruptCheckpointError(
                                     f"{where}: CRC-32 mismatch in the tensor data: the bytes are "
                                     "damaged", path=where)
-                            self._compare_location(tpl.location(ref), fqn, ref, where)
+                            self._compare_location(tpl.loc, fqn, ref, where)
                             continue
+                    where = f"{self.st.url_of(rel)} (item {fqn})"
                     rec = RecordReader(reader, ref, where, preload=DEEP_PRELOAD)
                     if fqn in self.meta.objects:
                         rec.load_object()
