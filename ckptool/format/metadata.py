@@ -72,6 +72,15 @@ class TensorEntry:
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
 
+    def row_blocks(self) -> list[Chunk] | None:
+        """The non-empty chunks in row order when every chunk is a block of whole rows (FSDP2's
+        ``Shard(0)``: contiguous in the full tensor, so copyable byte for byte), else None."""
+        full = self.shape[1:]
+        live = [c for c in self.chunks if c.numel]
+        if any(c.offsets[1:] != (0,) * len(full) or c.sizes[1:] != full for c in live):
+            return None
+        return sorted(live, key=lambda c: c.offsets)
+
 
 @dataclass(frozen=True)
 class BytesEntry:

@@ -187,7 +187,7 @@ def _local_dst(dst: str | os.PathLike[str]) -> Path:
 
 def _open_source(src: str | os.PathLike[str]) -> tuple[CheckpointDir, CheckpointMetadata]:
     """Resolve and structurally validate the model part; raise validate's first finding."""
-    from ckptool.ops.validate import validate
+    from ckptool.ops.validate import require_valid
 
     try:
         ckpt = resolve_checkpoint(src)
@@ -196,14 +196,7 @@ def _open_source(src: str | os.PathLike[str]) -> tuple[CheckpointDir, Checkpoint
             raise
         raise IncompleteCheckpointError(str(e), path=e.path) from None
     ckpt = dataclasses.replace(ckpt, parts=(ckpt.model_part,))
-    report = validate(ckpt)
-    if not report.ok:
-        first, more = report.errors[0], len(report.errors) - 1
-        cls = IncompleteCheckpointError if first.code in ("incomplete", "empty") else CorruptCheckpointError
-        extra = f" (and {more} more problem{'s' * (more > 1)}; 'ckptool validate {ckpt.url}' lists " \
-                "them)" if more else ""
-        where = "" if ckpt.url in first.message else f" {ckpt.url}"
-        raise cls(f"cannot consolidate{where}: {first.message}{extra}", path=ckpt.url)
+    report = require_valid(ckpt, action="consolidate")
     return ckpt, report.metadata[ckpt.model_part]
 
 
@@ -248,11 +241,6 @@ def _int_or_none(s: str | None) -> int | None:
     return int(s) if s is not None else None
 
 
-def _is_row_block(t: TensorEntry) -> bool:
-    return all(c.offsets[1:] == (0,) * (len(t.shape) - 1) and c.sizes[1:] == t.shape[1:]
-               for c in t.chunks if c.numel)
-
-
 def _plan_copies(selected: list[tuple[TensorEntry, str]], layouts: list[FileLayout],
                  cast: DType | None) -> tuple[list[_Piece], list[_Piece]]:
     """Row-block pieces (one per non-empty chunk) and whole tensors assembled in memory."""
@@ -261,7 +249,7 @@ def _plan_copies(selected: list[tuple[TensorEntry, str]], layouts: list[FileLayo
     for t, name in selected:
         out, base = where[name]
         odt = _out_dtype(t.dtype, cast)
-        if not _is_row_block(t):
+        if t.row_blocks() is None:
             whole.append(_Piece(t, t.chunks[0], out, base, odt))
             continue
         row = math.prod(t.shape[1:]) * odt.itemsize

@@ -35,8 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckptool._version import __version__
-from ckptool.errors import (CheckpointNotFoundError, ConfigError, CorruptCheckpointError,
-                            IncompatibleCheckpointError, IncompleteCheckpointError)
+from ckptool.errors import ConfigError, CorruptCheckpointError, IncompatibleCheckpointError
 from ckptool.format import manifest as mf
 from ckptool.format.dcp_writer import (DistcpFile, TensorRecord, crc32_combine, fsdp_chunks,
                                        write_metadata)
@@ -146,7 +145,7 @@ def reshard(src: str | os.PathLike[str], dst: str | os.PathLike[str] | None = No
 
 def _open_source(src: str | os.PathLike[str]) -> tuple[CheckpointDir, CheckpointMetadata]:
     """Resolve and structurally validate ``src``; raise validate's first finding."""
-    from ckptool.ops.validate import validate
+    from ckptool.ops.validate import require_valid
 
     ckpt = resolve_checkpoint(src)
     if ckpt.kind != "dcp":
@@ -154,13 +153,7 @@ def _open_source(src: str | os.PathLike[str]) -> tuple[CheckpointDir, Checkpoint
             f"{ckpt.url} is Accelerate save_state output with parts {list(ckpt.parts)}",
             path=ckpt.url, hint=f"Reshard each part on its own, e.g. 'ckptool reshard "
                                 f"{ckpt.url}/{ckpt.parts[0]} --to N'")
-    report = validate(ckpt)
-    if not report.ok:
-        first, more = report.errors[0], len(report.errors) - 1
-        cls = {"incomplete": IncompleteCheckpointError, "empty": CheckpointNotFoundError,
-               "not-a-checkpoint": CheckpointNotFoundError}.get(first.code, CorruptCheckpointError)
-        extra = (f" (and {more} more; 'ckptool validate {ckpt.url}' lists them)" if more else "")
-        raise cls(f"cannot reshard: {first.message}{extra}", path=ckpt.url)
+    report = require_valid(ckpt, action="reshard")
     return ckpt, report.metadata[""]
 
 
@@ -355,7 +348,7 @@ class _Source:
     def pieces_of(self, t: TensorEntry, lo: int, hi: int) -> Iterator[_Range | bytes]:
         """Rows ``[lo, hi)`` of ``t`` in row-major order (a 0-dim tensor has one row)."""
         row = math.prod(t.shape[1:]) * t.dtype.itemsize
-        blocks = _row_blocks(t)
+        blocks = t.row_blocks()
         if blocks is None:
             self.whole_check.update((t.fqn, c.offsets) for c in t.chunks)
             yield _assemble(self.ck, t, lo, hi)
@@ -417,14 +410,6 @@ class _Range:
 
 def _chunk_at(t: TensorEntry, offsets: tuple[int, ...]) -> Chunk:
     return next(c for c in t.chunks if c.offsets == offsets)
-
-
-def _row_blocks(t: TensorEntry) -> list[Chunk] | None:
-    """The non-empty chunks sorted by row when all are FSDP2 row blocks, else None."""
-    if any(c.offsets[1:] != (0,) * (len(t.shape) - 1) or c.sizes[1:] != t.shape[1:]
-           for c in t.chunks):
-        return None
-    return sorted((c for c in t.chunks if c.numel), key=lambda c: c.offsets)
 
 
 def _assemble(ck: CheckpointReader, t: TensorEntry, lo: int, hi: int) -> bytes:
@@ -559,7 +544,7 @@ def _tensor_crc(src: _Source, t: TensorEntry) -> tuple[int, int] | None:
     """(CRC-32, length) of the whole tensor in row-major order, from its records' stored CRCs
     (each checked against the bytes by the copy or by ``validate --deep``); None when some
     record's CRC covers more than the tensor's own bytes."""
-    blocks = _row_blocks(t)
+    blocks = t.row_blocks()
     if blocks is None:
         return None
     crc = size = 0
@@ -578,7 +563,7 @@ def _digest(src: _Source, t: TensorEntry) -> str:
     h, buf = xxhash.xxh3_64(), bytearray(BLOCK)
     n = t.shape[0] if t.shape else 1
     bands = [0, n]
-    if _row_blocks(t) is None:  # assemble between the chunks' row boundaries
+    if t.row_blocks() is None:  # assemble between the chunks' row boundaries
         bands = sorted({0, n} | {c.offsets[0] + d for c in t.chunks for d in (0, c.sizes[0])})
     for lo, hi in zip(bands, bands[1:]):
         for piece in src.pieces_of(t, lo, hi):

@@ -14,7 +14,12 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from ckptool.errors import CkptError, CorruptCheckpointError
+from ckptool.errors import (
+    CheckpointNotFoundError,
+    CkptError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+)
 from ckptool.format import manifest as mf
 from ckptool.format.items import RecordReader, RecordTemplate, TensorLocation
 from ckptool.format.layout import CheckpointDir, resolve_checkpoint
@@ -110,6 +115,30 @@ def validate(path: str | os.PathLike[str] | CheckpointDir, *, deep: bool = False
     return Report(path=ckpt.url, step=ckpt.step, world_size=ws, committed=ckpt.committed,
                   deep=deep, tensors=ntensors, files=nfiles, total_bytes=total,
                   findings=tuple(findings), metadata=metas)
+
+
+def require_valid(ckpt: CheckpointDir, *, action: str) -> Report:
+    """Structural ``validate`` for an op about to read ``ckpt``; raise its first problem.
+
+    Args:
+        ckpt: the checkpoint (only its ``parts`` are checked).
+        action: the verb for the message, e.g. "consolidate".
+
+    Raises:
+        IncompleteCheckpointError: not committed ("incomplete").
+        CheckpointNotFoundError: nothing there ("empty", "not-a-checkpoint").
+        CorruptCheckpointError: any other error finding; the message says how many more.
+    """
+    report = validate(ckpt)
+    if report.ok:
+        return report
+    first, more = report.errors[0], len(report.errors) - 1
+    cls = {"incomplete": IncompleteCheckpointError, "empty": CheckpointNotFoundError,
+           "not-a-checkpoint": CheckpointNotFoundError}.get(first.code, CorruptCheckpointError)
+    extra = (f" (and {more} more problem{'s' * (more > 1)}; 'ckptool validate {ckpt.url}' lists "
+             "them)") if more else ""
+    where = "" if ckpt.url in first.message else f" {ckpt.url}"
+    raise cls(f"cannot {action}{where}: {first.message}{extra}", path=ckpt.url)
 
 
 class _PartCheck:
