@@ -6,6 +6,10 @@ only after the save has committed, retention of the last K committed checkpoints
 the latest valid one (with load-time resharding, so the rank count may change). It leaves the
 on-disk format to ``ckptool.format`` and validity to ``ckptool.ops.validate``.
 
+The run folder may be an fsspec URL (``s3://bucket/run``): DCP then writes through its
+``FsspecWriter`` (still ``.metadata`` last), and retention, which cannot rename a folder
+atomically there, deletes a checkpoint's ``.metadata`` before its other files.
+
 Keys in a checkpoint: ``model.*`` and ``optim.*`` (from ``get_state_dict``), plus whatever the
 caller passes as ``extra`` (e.g. ``lr_scheduler``, ``train``, ``data``).
 
@@ -35,7 +39,7 @@ from typing import Any
 from ckptool.errors import CkptError, ConfigError, CorruptCheckpointError, IncompatibleCheckpointError
 from ckptool.format import layout
 from ckptool.format import manifest as mf
-from ckptool.storage import Storage
+from ckptool.storage import Storage, is_url
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +62,7 @@ class SaveStats:
 @dataclass
 class _Pending:
     step: int
-    path: Path
+    path: Path | str
     loss: float | None
     started: float
     future: Any
@@ -110,10 +114,19 @@ def latest_valid(run: str | os.PathLike[str]) -> layout.CheckpointDir | None:
 
 
 def step_checkpoints(run: str | os.PathLike[str]) -> list[layout.CheckpointDir]:
-    """``step_N`` folders in ``run`` (committed or not), oldest first; [] if ``run`` is missing."""
-    if not os.path.isdir(run):
+    """``step_N`` folders in ``run`` (committed or not), oldest first; [] if ``run`` is missing.
+
+    ``run`` may be a local folder or an fsspec URL (listed fresh, never from fsspec's cache)."""
+    if is_url(run):
+        storage = Storage.open(run)
+        if not storage.isdir():
+            return []
+        found = layout.list_checkpoints(storage)
+    elif not os.path.isdir(run):
         return []
-    return [c for c in layout.list_checkpoints(run) if c.step is not None and c.name == f"step_{c.step}"]
+    else:
+        found = layout.list_checkpoints(run)
+    return [c for c in found if c.step is not None and c.name == f"step_{c.step}"]
 
 
 def retention_victims(found: list[layout.CheckpointDir], keep: int, *,
@@ -143,7 +156,8 @@ class Checkpointer:
     """Saves and restores model, optimizer and extra state under ``out_dir/step_N``.
 
     Args:
-        out_dir: the run folder (local path).
+        out_dir: the run folder: a local path or an fsspec URL such as ``s3://bucket/run``
+            (credentials and endpoint come from the environment, as for s3fs).
         keep: committed checkpoints to keep (0 keeps all). The newest committed one is never
             deleted; torn folders older than it are removed.
         async_save: use ``dcp.async_save`` in a background process; at most one save is in
@@ -161,7 +175,8 @@ class Checkpointer:
                  config: dict[str, Any] | None = None) -> None:
         if keep < 0:
             raise ConfigError(f"keep must be 0 (keep all) or positive, got {keep}")
-        self.root = Path(out_dir)
+        # A URL stays a string: Path() would fold "s3://" into "s3:/".
+        self.root: Path | str = os.fspath(out_dir).rstrip("/") if is_url(out_dir) else Path(out_dir)
         self.keep = keep
         self.async_save = async_save
         self.config = dict(config or {})
@@ -172,7 +187,7 @@ class Checkpointer:
 
     # -- saving -----------------------------------------------------------------------------
     def save(self, step: int, model: Any, optimizer: Any, *, extra: dict[str, Any] | None = None,
-             loss: float | None = None) -> Path:
+             loss: float | None = None) -> Path | str:
         """Save a checkpoint as ``out_dir/step_{step}`` (called on all ranks).
 
         Args:
@@ -184,8 +199,8 @@ class Checkpointer:
             loss: recorded in the manifest.
 
         Returns:
-            The checkpoint folder. For an async save it is committed only once ``wait()``
-            returns (or the next ``save`` starts).
+            The checkpoint folder (a URL string for a remote run). For an async save it is
+            committed only once ``wait()`` returns (or the next ``save`` starts).
 
         Raises:
             CkptError: the save (or the previous async save) failed.
@@ -195,7 +210,7 @@ class Checkpointer:
 
         t0 = time.perf_counter()
         self._wait_pending()  # at most one save in flight
-        path = self.root / f"step_{step}"
+        path = self._child(f"step_{step}")
         self._prepare_folder(path)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd, **self._check_extra(extra)}
@@ -212,14 +227,14 @@ class Checkpointer:
         return path
 
     def save_model(self, model: Any, *, name: str = "final_model", step: int | None = None,
-                   loss: float | None = None) -> Path:
+                   loss: float | None = None) -> Path | str:
         """Save the model weights alone (keys ``model.*``) as ``out_dir/name``, synchronously
         (called on all ranks). Retention and resume ignore it (it is no ``step_N`` folder)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         self.wait()
-        path = self.root / name
+        path = self._child(name)
         self._prepare_folder(path)
         dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(path))
         if _rank() == 0:
@@ -236,17 +251,26 @@ class Checkpointer:
             raise ConfigError(f"extra state may not use the reserved keys {clash}")
         return extra
 
-    def _prepare_folder(self, path: Path) -> None:
+    def _child(self, name: str) -> Path | str:
+        return f"{self.root}/{name}" if isinstance(self.root, str) else self.root / name
+
+    def _prepare_folder(self, path: Path | str) -> None:
         # A leftover folder of the same name (torn, or from a run resumed at an older step)
         # would mix old and new files under one .metadata: remove it first.
         if _rank() == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            if path.exists():
-                logger.warning("replacing existing %s", path)
-                _remove(self.root, path.name)
+            if isinstance(self.root, str):
+                if Storage.open(path).exists():
+                    logger.warning("replacing existing %s", path)
+                    _remove_remote(self.root, _name(path))
+            else:
+                self.root.mkdir(parents=True, exist_ok=True)
+                if path.exists():
+                    logger.warning("replacing existing %s", path)
+                    _remove(self.root, path.name)
         _barrier()
 
-    def _start_async(self, state: dict[str, Any], step: int, path: Path, loss: float | None, t0: float) -> None:
+    def _start_async(self, state: dict[str, Any], step: int, path: Path | str, loss: float | None,
+                     t0: float) -> None:
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
@@ -283,17 +307,21 @@ class Checkpointer:
             self._account(time.perf_counter() - p.started, None)
             p.done.set()
 
-    def _committed(self, step: int, path: Path, loss: float | None) -> None:
+    def _committed(self, step: int, path: Path | str, loss: float | None) -> None:
         if _rank() != 0:
             return
         # DCP fsyncs the files and .metadata but not the folder: make the rename of .metadata
-        # durable before anything (manifest, retention) treats the save as done.
-        _fsync_dir(path)
+        # durable before anything (manifest, retention) treats the save as done. (An object
+        # store has no folders: each PUT is durable once it returns.)
+        local = isinstance(path, Path)
+        if local:
+            _fsync_dir(path)
         storage = Storage.open(path)
         manifest = mf.build_manifest(storage, step=step, world_size=_world_size(), loss=loss,
                                      config=self.config)
         mf.write_manifest(storage, manifest)
-        _fsync_dir(path)
+        if local:
+            _fsync_dir(path)
         logger.info("saved %s", path)
         self._retain()
 
@@ -349,7 +377,12 @@ class Checkpointer:
         inflight = p.step if p is not None and not p.done.is_set() else None
         for c in retention_victims(step_checkpoints(self.root), self.keep, inflight=inflight):
             logger.info("retention: removing %s", c.url)
-            _remove(self.root, c.name)
+            if isinstance(self.root, str):
+                _remove_remote(self.root, c.name)
+            else:
+                _remove(self.root, c.name)
+        if isinstance(self.root, str):
+            return  # remote removal renames nothing, so it leaves no hidden leftovers
         for leftover in _deleting_leftovers(self.root):  # from a removal a crash cut short
             shutil.rmtree(self.root / leftover, ignore_errors=True)
 
@@ -423,7 +456,25 @@ class Checkpointer:
         if extra is not None:
             extra.update({k: state[k] for k in extra})
         self.last_loaded = str(path)
-        return layout.step_of(Path(path).name) or 0
+        return layout.step_of(_name(path)) or 0
+
+
+def _name(path: str | os.PathLike[str]) -> str:
+    """The last component of a path or URL."""
+    return os.fspath(path).rstrip("/").rsplit("/", 1)[-1]
+
+
+def _remove_remote(root: str, name: str) -> None:
+    """Remove the remote folder ``root/name``, ``.metadata`` first.
+
+    An object store cannot rename a folder atomically (s3fs copies and deletes each object),
+    so ``_remove``'s trick does not carry over. Deleting ``.metadata`` first makes the folder
+    uncommitted at once: a crash part-way leaves a torn folder, which resume skips and the
+    next retention pass removes, never a "committed" one with files missing.
+    """
+    storage = Storage.open(root).child(name)
+    storage.remove_tree(layout.METADATA)  # removes a single file too
+    storage.remove_tree()
 
 
 def _remove(root: Path, name: str) -> None:

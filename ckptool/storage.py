@@ -102,17 +102,27 @@ class Storage:
     def exists(self, rel: str = "") -> bool:
         if self.fs is None:
             return os.path.lexists(self.path(rel))
-        return bool(self.fs.exists(self.path(rel)))
+        return bool(self.fs.exists(self.path(rel) if rel else self._fresh()))
 
     def isdir(self, rel: str = "") -> bool:
         if self.fs is None:
             return os.path.isdir(self.path(rel))
-        return bool(self.fs.isdir(self.path(rel)))
+        return bool(self.fs.isdir(self.path(rel) if rel else self._fresh()))
 
     def isfile(self, rel: str) -> bool:
         if self.fs is None:
             return os.path.isfile(self.path(rel))
         return bool(self.fs.isfile(self.path(rel)))
+
+    def _fresh(self, rel: str = "") -> str:
+        """The remote path of ``rel``, with fsspec's listing cache for it (and its parents)
+        dropped: s3fs answers ``ls``/``exists`` from listings it cached earlier, so files
+        another process (a peer rank, DCP's async saver) wrote since would stay invisible.
+        Used by ``listdir`` and by ``exists``/``isdir`` of the root; a file inside is then
+        checked against that fresh listing (one request per folder, not one per file)."""
+        p = self.path(rel)
+        self.fs.invalidate_cache(p)
+        return p
 
     def islink(self, rel: str) -> bool:
         return self.fs is None and os.path.islink(self.path(rel))
@@ -145,7 +155,7 @@ class Storage:
             return sorted(out, key=lambda x: x.name)
         out = []
         try:
-            infos = self.fs.ls(p, detail=True)
+            infos = self.fs.ls(self._fresh(rel), detail=True)
         except FileNotFoundError as e:
             raise CheckpointNotFoundError(f"{self.url_of(rel)} does not exist", path=p) from e
         for info in infos:

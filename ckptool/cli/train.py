@@ -13,6 +13,7 @@ import click
 from click.core import ParameterSource
 
 from ckptool.cli._common import echo_json, human_bytes, progress_enabled
+from ckptool.storage import is_url
 from ckptool.train.config import ACTIVATION_CHECKPOINTING, DEVICES, PRECISION, SHARDING, TrainConfig
 from ckptool.train.sizes import PRESETS
 
@@ -176,7 +177,9 @@ def _state(b: dict[str, int]) -> str:
 
 
 def _short(path: str) -> str:
-    """``path`` relative to the current folder when it lies inside it."""
+    """``path`` relative to the current folder when it lies inside it (a URL as it is)."""
+    if is_url(path):
+        return path
     rel = os.path.relpath(path)
     return path if rel.startswith("..") else rel
 
