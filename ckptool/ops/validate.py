@@ -28,7 +28,11 @@ from ckptool.storage import Storage
 
 MAX_GRID_CELLS = 1 << 20
 #: --deep reads records up to this size in one call (fewer syscalls for many small tensors).
-DEEP_PRELOAD = 8 << 20
+DEEP_PRELOAD = 1 << 20
+#: Records up to this size may serve as a layout template (per-record overhead only matters
+#: for small records); at most MAX_TEMPLATES per file, so memory stays bounded.
+TEMPLATE_MAX_BYTES = 256 << 10
+MAX_TEMPLATES = 16
 
 
 @dataclass(frozen=True)
@@ -296,7 +300,7 @@ class _PartCheck:
             if ref.relative_path in self.safe_files:
                 by_file[ref.relative_path].append((ref, fqn))
         jobs = sorted(by_file.items())
-        workers = max(1, min(len(jobs), 4))  # threads overlap reads; CRC-32 and pread drop the GIL
+        workers = max(1, min(len(jobs), os.cpu_count() or 1, 4))  # pread and CRC-32 drop the GIL
         with ThreadPoolExecutor(workers) as pool:
             for found in pool.map(lambda job: self._deep_file(*job), jobs):
                 self.findings.extend(found)
@@ -331,7 +335,8 @@ class _PartCheck:
                     else:
                         loc = self._compare(rec, fqn, ref)
                     rec.verify_crc()
-                    if fqn in self.meta.tensors and rec._buf is not None:
+                    if (fqn in self.meta.tensors and rec._buf is not None
+                            and ref.length <= TEMPLATE_MAX_BYTES and len(templates) < MAX_TEMPLATES):
                         templates.setdefault(ref.length, RecordTemplate(rec, loc, rec._buf))
                 except CkptError as e:
                     code = "crc-mismatch" if "CRC-32" in str(e) else "bad-record"
