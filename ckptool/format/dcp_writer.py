@@ -26,13 +26,12 @@ import functools
 import math
 import os
 import struct
-import zlib
 from typing import Any
 
 from ckptool.errors import IncompatibleCheckpointError
 from ckptool.format import _dcp_compat
 from ckptool.format.dtypes import DType
-from ckptool.format.items import contiguous_strides
+from ckptool.format.items import contiguous_strides, crc32
 from ckptool.format.metadata import METADATA, CheckpointMetadata, Chunk, StorageRef
 
 _MAX32 = 0xFFFFFFFF
@@ -206,7 +205,7 @@ class TensorRecord:
 
     @staticmethod
     def _entry(directory: list, name: str, data: bytes, cursor: int) -> bytes:
-        crc = zlib.crc32(data)
+        crc = crc32(data)
         directory.append((name, crc, len(data), cursor))
         full = (_ARCHIVE + name).encode()
         return _local_header(full, len(data), cursor) + data + _descriptor(crc, len(data), cursor)
@@ -251,7 +250,7 @@ def tensor_record(dtype: DType, shape: tuple[int, ...], data: bytes) -> bytes:
     rec = TensorRecord(dtype, shape)
     if len(data) != rec.nbytes:
         raise ValueError(f"{len(data)} bytes given for {dtype} {list(shape)} ({rec.nbytes})")
-    return rec.head + data + rec.tail(zlib.crc32(data))
+    return rec.head + data + rec.tail(crc32(data))
 
 
 # ---------------------------------------------------------------------------------------------

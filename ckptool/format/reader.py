@@ -110,17 +110,26 @@ class CheckpointReader:
 
 def _gather_strided(cb: ChunkBytes) -> bytes:
     """Copy a non-contiguous view out of its storage into row-major order (numpy, no torch)."""
-    import numpy as np
-
     loc = cb.location
     item = loc.dtype.itemsize
     span = 1 + sum((d - 1) * s for d, s in zip(loc.shape, loc.strides)) if loc.numel else 0
     raw = cb.reader.pread(loc.start, span * item)
     if len(raw) != span * item:
         raise CorruptCheckpointError("record is cut short", path=str(cb.reader.rel))
+    return rowmajor(raw, loc).tobytes()
+
+
+def rowmajor(raw: bytes | bytearray | memoryview, loc: TensorLocation):  # -> numpy uint8 array
+    """The elements of ``loc``'s (possibly strided) view as row-major bytes.
+
+    ``raw`` starts at the view's first element (``loc.start``) and reaches at least its last.
+    """
+    import numpy as np
+
+    item = loc.dtype.itemsize
     buf = np.frombuffer(raw, dtype=np.dtype(f"V{item}"))
     view = np.lib.stride_tricks.as_strided(
         buf, shape=loc.shape, strides=tuple(s * item for s in loc.strides))
     out = np.ascontiguousarray(view)
     assert out.flags.c_contiguous  # (numpy ignores the strides of size-1 dims)
-    return out.tobytes()
+    return out.reshape(-1).view(np.uint8)

@@ -24,7 +24,6 @@ import math
 import os
 import threading
 import time
-import zlib
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -37,7 +36,8 @@ from ckptool.format.dtypes import CAST_TARGETS, DTYPES, DType
 from ckptool.format.layout import CheckpointDir, resolve_checkpoint
 from ckptool.format.manifest import read_manifest
 from ckptool.format.metadata import CheckpointMetadata, Chunk, TensorEntry, model_keys
-from ckptool.format.reader import ChunkBytes, CheckpointReader
+from ckptool.format.items import crc32
+from ckptool.format.reader import ChunkBytes, CheckpointReader, rowmajor
 from ckptool.format.safetensors_writer import (CASTABLE, INDEX_NAME, FileLayout, OutputFile,
                                                StagedOutput, TensorSpec, cast_bytes, index_json,
                                                plan_file, shard_filenames, split_shards)
@@ -351,7 +351,7 @@ class _Copier:
             loc, crc = cb.location, 0
             for pos in range(loc.data_offset, loc.data_offset + loc.entry.size, BLOCK):
                 n = self._pread(cb, buf, pos, min(BLOCK, loc.data_offset + loc.entry.size - pos))
-                crc = zlib.crc32(memoryview(buf)[:n], crc)
+                crc = crc32(memoryview(buf)[:n], crc)
                 self._advance(0)
             if crc != loc.entry.crc:
                 raise self._damaged(p, cb, f"CRC-32 mismatch (stored {loc.entry.crc:08x}, "
@@ -367,7 +367,7 @@ class _Copier:
         for pos in range(lo, hi, BLOCK):
             n = self._pread(cb, buf, pos, min(BLOCK, hi - pos))
             view = memoryview(buf)[:n]
-            crc = zlib.crc32(view, crc) if check else crc
+            crc = crc32(view, crc) if check else crc
             a, b = max(pos, loc.start), min(pos + n, loc.start + loc.nbytes)
             if a < b:
                 data = cast_bytes(view[a - pos:b - pos], loc.dtype, p.out_dtype)
@@ -399,19 +399,13 @@ class _Copier:
     # -- other layouts: one tensor at a time -------------------------------------------------
     def _gather(self, p: _Piece, cb: ChunkBytes) -> memoryview:
         """One chunk's row-major bytes from any record (CRC-checked), cast to the output dtype."""
-        import numpy as np
-
         loc = cb.location
         raw = bytearray(loc.entry.size)
         self._pread(cb, raw, loc.data_offset, loc.entry.size)
-        if self.check_crc and zlib.crc32(raw) != loc.entry.crc:
+        if self.check_crc and crc32(raw) != loc.entry.crc:
             raise self._damaged(p, cb, "CRC-32 mismatch")
-        item = loc.dtype.itemsize
-        buf = np.frombuffer(raw, np.dtype(f"V{item}"))
-        view = np.lib.stride_tricks.as_strided(
-            buf[loc.storage_offset:], shape=loc.shape, strides=tuple(s * item for s in loc.strides))
-        raw_out = np.ascontiguousarray(view).reshape(-1).view(np.uint8)
-        return cast_bytes(memoryview(raw_out), loc.dtype, p.out_dtype)
+        first = memoryview(raw)[loc.storage_offset * loc.dtype.itemsize:]
+        return cast_bytes(memoryview(rowmajor(first, loc)), loc.dtype, p.out_dtype)
 
     def _whole_job(self, whole: list[_Piece]) -> None:
         import numpy as np
