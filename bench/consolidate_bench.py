@@ -57,11 +57,12 @@ def tools(ckpt: Path, work: Path) -> dict[str, tuple[list[str], Path]]:
 
 def largest_tensor(ckpt: Path) -> tuple[int, int, int, int]:
     """(largest model tensor bytes, model bytes, tensors, world size) from the index."""
-    from ckptool.format.metadata import model_keys, read_metadata
+    from ckptool.format.metadata import read_metadata
+    from ckptool.format.state_layout import read_layout
     from ckptool.storage import Storage
 
     meta = read_metadata(Storage.open(ckpt))
-    sizes = [meta.tensors[k].nbytes for k in model_keys(meta)]
+    sizes = [meta.tensors[k].nbytes for k in read_layout(meta).names]
     return max(sizes), sum(sizes), len(sizes), meta.world_size or 0
 
 

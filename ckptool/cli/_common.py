@@ -53,6 +53,24 @@ def parse_size(text: str) -> int:
     return int(value * mult)
 
 
+def model_key_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``--model-key`` and ``--keep-wrappers``: which keys are the model, and their names."""
+    fn = click.option(
+        "--keep-wrappers", is_flag=True,
+        help="Keep wrapper segments (_orig_mod., _checkpoint_wrapped_module., "
+             "_fsdp_wrapped_module., DDP's module.) in tensor names.")(fn)
+    return click.option(
+        "--model-key", metavar="PATH", default=None,
+        help="The model's sub-tree in the saved state, dotted (e.g. app.model; '' for the "
+             "top-level tensors). Default: read from the checkpoint's own records.")(fn)
+
+
+def echo_note(note: str | None) -> None:
+    """A reading the tool chose where another was possible: said on stderr, never silent."""
+    if note:
+        click.echo(f"note: {note}", err=True)
+
+
 def progress_enabled(json_out: bool) -> bool:
     return (not json_out) and sys.stderr.isatty()
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import click
 
-from ckptool.cli._common import (byte_progress, echo_json, human_bytes, parse_size,
-                                 progress_enabled)
+from ckptool.cli._common import (byte_progress, echo_json, echo_note, human_bytes,
+                                 model_key_options, parse_size, progress_enabled)
 
 
 @click.command("consolidate")
@@ -20,7 +20,9 @@ from ckptool.cli._common import (byte_progress, echo_json, human_bytes, parse_si
               help="Export only tensors whose output name matches (repeatable).")
 @click.option("--exclude", multiple=True, metavar="GLOB",
               help="Leave out tensors whose output name matches (repeatable).")
-@click.option("--keep-prefix", is_flag=True, help="Keep the 'model.' prefix of the DCP keys.")
+@click.option("--keep-prefix", is_flag=True,
+              help="Name tensors by their full DCP key (the 'model.' level included).")
+@model_key_options
 @click.option("--verify", is_flag=True, help="Re-read the output and compare checksums.")
 @click.option("--no-crc-check", "no_crc", is_flag=True,
               help="Skip the CRC-32 check of source records (allows in-kernel copies; damaged "
@@ -28,13 +30,17 @@ from ckptool.cli._common import (byte_progress, echo_json, human_bytes, parse_si
 @click.option("--json", "json_out", is_flag=True, help="Print a JSON summary.")
 def consolidate_cmd(checkpoint: str, output: str, dtype: str | None, max_shard_size: str,
                     include: tuple[str, ...], exclude: tuple[str, ...], keep_prefix: bool,
-                    verify: bool, no_crc: bool, json_out: bool) -> None:
+                    model_key: str | None, keep_wrappers: bool, verify: bool, no_crc: bool,
+                    json_out: bool) -> None:
     """Write the model weights of CHECKPOINT to OUTPUT as safetensors.
 
     OUTPUT ending in .safetensors is one file; otherwise it is a folder of
     HF-style shards (model-00001-of-0000N.safetensors and
     model.safetensors.index.json). Names are the model's own state_dict()
-    keys. Bytes are streamed file to file; memory does not grow with the model.
+    keys: which keys are the model is read from the checkpoint's records
+    (DCP's planner_data), whoever saved it (ckptool, a plain dcp.save, the
+    AppState recipe, Accelerate, torchtitan); --model-key chooses by hand.
+    Bytes are streamed file to file; memory does not grow with the model.
 
     \b
     Examples:
@@ -47,7 +53,9 @@ def consolidate_cmd(checkpoint: str, output: str, dtype: str | None, max_shard_s
     with byte_progress("consolidate", progress_enabled(json_out)) as progress:
         result = consolidate(checkpoint, output, dtype=dtype, max_shard_size=limit,
                              include=include, exclude=exclude, keep_prefix=keep_prefix,
+                             model_key=model_key, keep_wrappers=keep_wrappers,
                              verify=verify, check_crc=not no_crc, progress=progress)
+    echo_note(result.note)
     if json_out:
         echo_json(result)
         return

@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import click
 
-from ckptool.cli._common import echo_json, human_bytes
+from ckptool.cli._common import echo_json, echo_note, human_bytes, model_key_options
 
 
 @click.command("inspect")
 @click.argument("checkpoint")
+@model_key_options
 @click.option("--json", "json_out", is_flag=True, help="Print the summary as JSON.")
-def inspect_cmd(checkpoint: str, json_out: bool) -> None:
+def inspect_cmd(checkpoint: str, model_key: str | None, keep_wrappers: bool,
+                json_out: bool) -> None:
     """Show the step, world size, files and every key of CHECKPOINT.
 
     Keys are grouped into model, optimizer and other (step, scheduler, RNG, ...),
-    each with dtype, global shape, number of chunks and bytes.
+    each with dtype, global shape, number of chunks and bytes. The grouping is
+    read from the checkpoint's records (DCP's planner_data), and is the one
+    consolidate and upload use; --model-key chooses the model by hand.
 
     \b
     Example:
@@ -22,7 +26,8 @@ def inspect_cmd(checkpoint: str, json_out: bool) -> None:
     """
     from ckptool.ops.inspect import GROUPS, inspect
 
-    s = inspect(checkpoint)
+    s = inspect(checkpoint, model_key=model_key, keep_wrappers=keep_wrappers)
+    echo_note(s.note)
     if json_out:
         echo_json(s)
         return
@@ -31,6 +36,8 @@ def inspect_cmd(checkpoint: str, json_out: bool) -> None:
                f"{human_bytes(s.total_bytes)}")
     if s.manifest and s.manifest.get("loss") is not None:
         click.echo(f"  loss {s.manifest['loss']:.4f}")
+    if s.layout:
+        click.echo(f"  {s.layout}")
     for g in GROUPS:
         keys = s.groups.get(g, ())
         if not keys:

@@ -6,7 +6,8 @@ from typing import TYPE_CHECKING
 
 import click
 
-from ckptool.cli._common import byte_progress, echo_json, human_bytes, parse_size, progress_enabled
+from ckptool.cli._common import (byte_progress, echo_json, human_bytes, model_key_options,
+                                 parse_size, progress_enabled)
 
 if TYPE_CHECKING:
     from ckptool.ops.upload import UploadResult
@@ -28,14 +29,15 @@ if TYPE_CHECKING:
               help="DCP source only: cast floating tensors while consolidating.")
 @click.option("--max-shard-size", metavar="SIZE", default=None,
               help="DCP source only: largest shard (default 5GB), e.g. 500MB, 2GiB.")
+@model_key_options
 @click.option("--token", metavar="TOKEN", default=None,
               help="Hub token (default: HF_TOKEN, or the one saved by 'hf auth login').")
 @click.option("--dry-run", is_flag=True, help="Check and list what would be sent; send nothing.")
 @click.option("--json", "json_out", is_flag=True, help="Print a JSON summary.")
 def upload_cmd(path: str, repo_id: str, private: bool, revision: str | None,
                path_in_repo: str | None, commit_message: str | None, create_pr: bool,
-               dtype: str | None, max_shard_size: str | None, token: str | None, dry_run: bool,
-               json_out: bool) -> None:
+               dtype: str | None, max_shard_size: str | None, model_key: str | None,
+               keep_wrappers: bool, token: str | None, dry_run: bool, json_out: bool) -> None:
     """Upload PATH to the Hugging Face Hub model repo REPO_ID with a model card.
 
     PATH is a .safetensors file, a folder of shards with its
@@ -64,7 +66,8 @@ def upload_cmd(path: str, repo_id: str, private: bool, revision: str | None,
     with byte_progress("upload", show) as progress:
         result = upload(path, repo_id, private=private, revision=revision,
                         path_in_repo=path_in_repo, commit_message=commit_message,
-                        create_pr=create_pr, dtype=dtype, max_shard_size=limit, token=token,
+                        create_pr=create_pr, dtype=dtype, max_shard_size=limit,
+                        model_key=model_key, keep_wrappers=keep_wrappers, token=token,
                         dry_run=dry_run, progress=progress)
     if json_out:
         echo_json(result)

@@ -5,9 +5,10 @@
 through it. Here the handful of classes that legitimately occur are mapped to local stand-ins
 (``safe_pickle``), then converted to the plain, validated model below. torch is never imported.
 
-Owns: the index model (``CheckpointMetadata``, ``TensorEntry``, ``Chunk``, ``StorageRef``) and
-the grouping of keys into model / optimizer / other. Bytes inside ``.distcp`` records are
-``items.py``'s business; checking geometry and files is ``ops/validate.py``'s.
+Owns: the index model (``CheckpointMetadata``, ``TensorEntry``, ``Chunk``, ``StorageRef``).
+Which keys are the model, the optimizer or the rest is ``state_layout.py``'s business; bytes
+inside ``.distcp`` records are ``items.py``'s; checking geometry and files is
+``ops/validate.py``'s.
 """
 
 from __future__ import annotations
@@ -128,34 +129,6 @@ class CheckpointMetadata:
 
 
 _RANK_RE = re.compile(r"__(\d+)_\d+\.distcp")
-
-# ---------------------------------------------------------------------------------------------
-# Key groups
-
-
-OPTIM_PREFIXES = ("optim.", "optimizer.", "optimizer_0.", "state.", "param_groups.")
-MODEL_PREFIXES = ("model.",)
-
-
-def group_of(fqn: str, *, has_model_prefix: bool) -> str:
-    """'model', 'optimizer' or 'other' for a flattened DCP key."""
-    if fqn.startswith(OPTIM_PREFIXES):
-        return "optimizer"
-    if fqn.startswith(MODEL_PREFIXES):
-        return "model"
-    # torchtitan and plain model-only saves store model keys without a prefix.
-    return "other" if has_model_prefix or "." not in fqn else "model"
-
-
-def model_keys(meta: CheckpointMetadata) -> dict[str, str]:
-    """Model weight keys: DCP fqn -> the model's own ``state_dict()`` name (``model.`` dropped)."""
-    has_prefix = any(k.startswith(MODEL_PREFIXES) for k in meta.tensors)
-    out = {}
-    for fqn in meta.tensors:
-        if group_of(fqn, has_model_prefix=has_prefix) == "model":
-            out[fqn] = fqn[len("model."):] if has_prefix else fqn
-    return out
-
 
 # ---------------------------------------------------------------------------------------------
 # Stand-ins for the pickled classes

@@ -34,8 +34,9 @@ from ckptool.errors import (CheckpointNotFoundError, ConfigError, CorruptCheckpo
                             IncompleteCheckpointError)
 from ckptool.format.dtypes import CAST_TARGETS, DTYPES, DType
 from ckptool.format.layout import CheckpointDir, resolve_checkpoint
-from ckptool.format.manifest import read_manifest
-from ckptool.format.metadata import CheckpointMetadata, Chunk, TensorEntry, model_keys
+from ckptool.format.manifest import Manifest, read_manifest
+from ckptool.format.metadata import CheckpointMetadata, Chunk, TensorEntry
+from ckptool.format.state_layout import StateLayout, read_layout
 from ckptool.format.items import crc32
 from ckptool.format.reader import ChunkBytes, CheckpointReader, rowmajor
 from ckptool.format.safetensors_writer import (CASTABLE, INDEX_NAME, FileLayout, OutputFile,
@@ -62,6 +63,7 @@ class ConsolidateResult:
         step, world_size: provenance of the source.
         dtype: the cast target, or None when bytes were copied as saved.
         verified: the output was re-read and matched the source checksums.
+        note: how the model's keys were found when another reading was possible (say it).
     """
 
     source: str
@@ -74,6 +76,7 @@ class ConsolidateResult:
     world_size: int | None
     dtype: str | None
     verified: bool
+    note: str | None = None
 
 
 @dataclass(frozen=True)
@@ -90,7 +93,8 @@ class _Piece:
 def consolidate(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
                 dtype: str | None = None, max_shard_size: int = DEFAULT_MAX_SHARD,
                 include: Iterable[str] = (), exclude: Iterable[str] = (),
-                keep_prefix: bool = False, verify: bool = False, check_crc: bool = True,
+                keep_prefix: bool = False, model_key: str | None = None,
+                keep_wrappers: bool = False, verify: bool = False, check_crc: bool = True,
                 workers: int | None = None, progress: Progress | None = None) -> ConsolidateResult:
     """Write a checkpoint's model weights as safetensors, streaming chunk bytes.
 
@@ -106,7 +110,10 @@ def consolidate(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
         max_shard_size: data bytes per shard in folder mode (a bigger tensor gets its own).
         include, exclude: fnmatch patterns on output names; a tensor is kept when it matches
             some include (or none are given) and no exclude.
-        keep_prefix: keep the DCP key's ``model.`` prefix in output names.
+        keep_prefix: name tensors by their full DCP key (``model.`` level included).
+        model_key: the model's sub-tree by hand, dotted (``app.model``); default: found from
+            the checkpoint's records (``format/state_layout.py``).
+        keep_wrappers: keep ``_orig_mod.``, ``_checkpoint_wrapped_module.``, ... in names.
         verify: re-read the output and compare xxh3 checksums with the bytes copied.
         check_crc: check every source record's CRC-32 (False saves one read of the source
             through memory, but lets damaged bytes through).
@@ -133,12 +140,15 @@ def consolidate(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
         raise ConfigError(f"max_shard_size must be positive, got {max_shard_size}")
     dst = _local_dst(dst)
     ckpt, meta = _open_source(src)
-    selected = _select(meta, include, exclude, keep_prefix, ckpt.url)
+    man = read_manifest(ckpt.part(ckpt.model_part))
+    layout = read_layout(meta, model_key=model_key, keep_wrappers=keep_wrappers,
+                         ckptool_manifest=man is not None, where=ckpt.url)
+    selected = _select(meta, layout, include, exclude, keep_prefix, ckpt.url)
     specs = [TensorSpec(name, _out_dtype(t.dtype, cast), t.shape) for t, name in selected]
     single = dst.suffix == ".safetensors" and not dst.is_dir()
     groups = [specs] if single else split_shards(specs, max_shard_size)
     names = [dst.name] if single else shard_filenames(len(groups))
-    header_meta = _provenance(ckpt, meta, cast)
+    header_meta = _provenance(ckpt, meta, man, cast)
     layouts = [plan_file(n, g, header_meta) for n, g in zip(names, groups)]
     pieces, whole = _plan_copies(selected, layouts, cast)
     storage = ckpt.part(ckpt.model_part)
@@ -159,7 +169,7 @@ def consolidate(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
         tensors=len(specs), bytes=sum(lay.data_bytes for lay in layouts),
         seconds=time.perf_counter() - t0, step=_int_or_none(header_meta.get("source_step")),
         world_size=meta.world_size,
-        dtype=cast.name if cast else None, verified=verify)
+        dtype=cast.name if cast else None, verified=verify, note=layout.note)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,11 +210,11 @@ def _open_source(src: str | os.PathLike[str]) -> tuple[CheckpointDir, Checkpoint
     return ckpt, report.metadata[ckpt.model_part]
 
 
-def _select(meta: CheckpointMetadata, include: Iterable[str], exclude: Iterable[str],
-            keep_prefix: bool, where: str) -> list[tuple[TensorEntry, str]]:
+def _select(meta: CheckpointMetadata, layout: StateLayout, include: Iterable[str],
+            exclude: Iterable[str], keep_prefix: bool, where: str) -> list[tuple[TensorEntry, str]]:
     inc, exc = tuple(include), tuple(exclude)
     out = []
-    for fqn, name in model_keys(meta).items():
+    for fqn, name in layout.names.items():
         name = fqn if keep_prefix else name
         if inc and not any(fnmatch.fnmatchcase(name, p) for p in inc):
             continue
@@ -212,17 +222,19 @@ def _select(meta: CheckpointMetadata, include: Iterable[str], exclude: Iterable[
             continue
         out.append((meta.tensors[fqn], name))
     if not out:
-        what = "no model weights" if not (inc or exc) else "no tensor matches the filters"
-        raise ConfigError(f"{where}: {what}; check --include/--exclude against 'ckptool inspect "
-                          f"{where}'")
+        if not (inc or exc):
+            raise ConfigError(f"{where}: no model weights found", hint=f"'ckptool inspect {where}' "
+                              "lists its keys; choose the model's sub-tree with --model-key")
+        raise ConfigError(f"{where}: no tensor matches the filters; check --include/--exclude "
+                          f"against 'ckptool inspect {where}'")
     return out
 
 
-def _provenance(ckpt: CheckpointDir, meta: CheckpointMetadata, cast: DType | None) -> dict[str, str]:
+def _provenance(ckpt: CheckpointDir, meta: CheckpointMetadata, man: Manifest | None,
+                cast: DType | None) -> dict[str, str]:
     """The header's ``__metadata__`` (str -> str): format, source, and the model config when
     the checkpoint's ``ckptool.json`` records one (``examples/generate.py`` builds the model
     from it)."""
-    man = read_manifest(ckpt.part(ckpt.model_part))
     step = man.step if man is not None and man.step is not None else ckpt.step
     out = {"format": "pt", "ckptool_version": __version__, "source_checkpoint": ckpt.name}
     if step is not None:

@@ -12,7 +12,8 @@ from typing import Any
 from ckptool.errors import CkptError
 from ckptool.format import manifest as mf
 from ckptool.format.layout import CheckpointDir, list_checkpoints, resolve_checkpoint
-from ckptool.format.metadata import group_of, read_metadata
+from ckptool.format.metadata import read_metadata
+from ckptool.format.state_layout import describe, read_layout
 from ckptool.ops.validate import validate
 from ckptool.storage import Storage
 
@@ -45,6 +46,9 @@ class Summary:
     files: tuple[FileInfo, ...]
     groups: dict[str, tuple[KeyInfo, ...]]
     manifest: dict[str, Any] | None = None
+    layout: str | None = None       # how the model's keys were found (state_layout.describe)
+    note: str | None = None         # set when another reading was possible
+    names: dict[str, str] = field(default_factory=dict)  # model key -> exported name
 
     def count(self, group: str) -> int:
         return len(self.groups.get(group, ()))
@@ -53,11 +57,14 @@ class Summary:
         return sum(k.bytes for k in self.groups.get(group, ()))
 
 
-def inspect(path: str | os.PathLike[str]) -> Summary:
+def inspect(path: str | os.PathLike[str], *, model_key: str | None = None,
+            keep_wrappers: bool = False) -> Summary:
     """Summarise one committed checkpoint.
 
     Args:
         path: checkpoint folder (local or fsspec URL).
+        model_key, keep_wrappers: as for ``consolidate`` (which keys are the model, and their
+            exported names).
 
     Returns:
         ``Summary`` with every key grouped into model / optimizer / other.
@@ -73,21 +80,27 @@ def inspect(path: str | os.PathLike[str]) -> Summary:
     files: list[FileInfo] = []
     world_size = None
     man: mf.Manifest | None = None
+    how = note = None
+    names: dict[str, str] = {}
     for part in ckpt.parts:
         st = ckpt.part(part)
         meta = read_metadata(st)
         world_size = world_size or meta.world_size
         prefix = f"{part}/" if part else ""
         files += [FileInfo(prefix + e.name, e.size) for e in st.listdir() if not e.is_dir]
-        has_model = any(k.startswith("model.") for k in meta.tensors)
+        part_man = _manifest(st)
+        lay = read_layout(meta, model_key=model_key if part == ckpt.model_part else None,
+                          keep_wrappers=keep_wrappers, ckptool_manifest=part_man is not None,
+                          where=st.url)
         for t in meta.tensors.values():
-            g = group_of(t.fqn, has_model_prefix=has_model)
-            groups[g].append(KeyInfo(t.fqn, "tensor", t.dtype.name, t.shape, len(t.chunks), t.nbytes))
+            groups[lay.groups[t.fqn].value].append(
+                KeyInfo(t.fqn, "tensor", t.dtype.name, t.shape, len(t.chunks), t.nbytes))
         for o in meta.objects.values():
-            g = group_of(o.fqn, has_model_prefix=has_model)
-            groups[g].append(KeyInfo(o.fqn, "object", None, None, 1,
-                                     o.storage.length if o.storage else 0))
-        man = man or _manifest(st)
+            groups[lay.groups[o.fqn].value].append(
+                KeyInfo(o.fqn, "object", None, None, 1, o.storage.length if o.storage else 0))
+        if part == ckpt.model_part:
+            how, note, names = describe(lay), lay.note, lay.names
+        man = man or part_man
     step = ckpt.step if ckpt.step is not None else (man.step if man else None)
     return Summary(
         path=ckpt.url, step=step, world_size=world_size or (man.world_size if man else None),
@@ -95,6 +108,7 @@ def inspect(path: str | os.PathLike[str]) -> Summary:
         groups={g: tuple(v) for g, v in groups.items()},
         manifest=None if man is None else {"step": man.step, "world_size": man.world_size,
                                            "loss": man.loss, "config": man.config},
+        layout=how, note=note, names=names,
     )
 
 

@@ -117,7 +117,8 @@ class _Weights:
 def upload(path: str | os.PathLike[str], repo_id: str, *, private: bool = False,
            revision: str | None = None, path_in_repo: str | None = None,
            commit_message: str | None = None, create_pr: bool = False, dtype: str | None = None,
-           max_shard_size: int | None = None, token: str | None = None, dry_run: bool = False,
+           max_shard_size: int | None = None, model_key: str | None = None,
+           keep_wrappers: bool = False, token: str | None = None, dry_run: bool = False,
            progress: Progress | None = None) -> UploadResult:
     """Upload model weights with a model card to a Hugging Face Hub model repo.
 
@@ -134,7 +135,8 @@ def upload(path: str | os.PathLike[str], repo_id: str, *, private: bool = False,
         path_in_repo: folder in the repo for all files (default: the root).
         commit_message: default ``"Upload <checkpoint> (step N) with ckptool X"``.
         create_pr: open a pull request against the default branch instead of committing.
-        dtype, max_shard_size: consolidate options, for a DCP source only.
+        dtype, max_shard_size, model_key, keep_wrappers: consolidate options, for a DCP
+            source only.
         token: a Hub token; default ``HF_TOKEN`` or the one saved by ``hf auth login``.
         dry_run: check and stage everything, send nothing (no token needed).
         progress: ``progress(bytes_done, bytes_total)`` while consolidating.
@@ -156,13 +158,15 @@ def upload(path: str | os.PathLike[str], repo_id: str, *, private: bool = False,
     if create_pr and revision not in (None, "main"):
         raise ConfigError(f"--create-pr opens a pull request against main, not {revision!r}; "
                           "drop --revision or --create-pr")
-    src = _open_source(path, dtype=dtype, max_shard_size=max_shard_size)
+    src = _open_source(path, dtype=dtype, max_shard_size=max_shard_size,
+                       naming=model_key is not None or keep_wrappers)
     tok = _token(token, required=not dry_run)
     api = None if dry_run else _api(tok)
     user = _whoami(api, tok) if api is not None else None
     with tempfile.TemporaryDirectory(prefix="ckptool-upload-") as tmp:
         stage = Path(tmp) / "stage"
-        _stage(src, stage, dtype=dtype, max_shard_size=max_shard_size, progress=progress)
+        _stage(src, stage, dtype=dtype, max_shard_size=max_shard_size, model_key=model_key,
+               keep_wrappers=keep_wrappers, progress=progress)
         weights = _check_weights(stage)
         src = _with_file_provenance(src, stage, weights)
         _write_card(stage, src, weights, repo_id, subfolder)
@@ -301,7 +305,7 @@ def _shown(path: Path) -> str:
 
 
 def _open_source(path: str | os.PathLike[str], *, dtype: str | None,
-                 max_shard_size: int | None) -> _Source:
+                 max_shard_size: int | None, naming: bool = False) -> _Source:
     s = os.fspath(path)
     p = Path(s).expanduser().absolute()
     local = not is_url(s)
@@ -315,8 +319,9 @@ def _open_source(path: str | os.PathLike[str], *, dtype: str | None,
         src = _Source("shards", str(p), p.name)
     else:
         return _open_checkpoint(s)
-    if dtype is not None or max_shard_size is not None:
-        raise ConfigError(f"--dtype and --max-shard-size apply to DCP checkpoints; {p} is "
+    if dtype is not None or max_shard_size is not None or naming:
+        raise ConfigError(f"--dtype, --max-shard-size, --model-key and --keep-wrappers apply "
+                          f"to DCP checkpoints; {p} is "
                           "safetensors already", hint="Re-export it with 'ckptool consolidate "
                                                       "CKPT OUT --dtype ...' or drop the options")
     return src
@@ -347,13 +352,13 @@ def _open_checkpoint(path: str) -> _Source:
 
 
 def _stage(src: _Source, stage: Path, *, dtype: str | None, max_shard_size: int | None,
-           progress: Progress | None) -> None:
+           model_key: str | None, keep_wrappers: bool, progress: Progress | None) -> None:
     """Fill ``stage`` (absent) with the weights: an export, or links to the user's files."""
     if src.kind == "dcp":
         from ckptool.ops.consolidate import DEFAULT_MAX_SHARD, consolidate
 
         consolidate(src.path, stage, dtype=dtype, max_shard_size=max_shard_size or DEFAULT_MAX_SHARD,
-                    progress=progress)
+                    model_key=model_key, keep_wrappers=keep_wrappers, progress=progress)
         return
     stage.mkdir()
     if src.kind == "safetensors":

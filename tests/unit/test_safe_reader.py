@@ -9,7 +9,8 @@ import pytest
 
 from ckptool.errors import CorruptCheckpointError, IncompleteCheckpointError
 from ckptool.format.items import RecordReader
-from ckptool.format.metadata import model_keys, parse_metadata, read_metadata
+from ckptool.format.metadata import parse_metadata, read_metadata
+from ckptool.format.state_layout import read_layout
 from ckptool.storage import Storage
 
 
@@ -21,7 +22,7 @@ def test_reads_real_metadata_without_torch_classes(single_ckpt):
     assert meta.tensors["model.scale"].shape == ()
     assert "step" in meta.objects
     assert meta.world_size == 1
-    assert model_keys(meta) == {"model.w": "w", "model.b": "b", "model.scale": "scale"}
+    assert read_layout(meta).names == {"model.w": "w", "model.b": "b", "model.scale": "scale"}
     assert meta.planner_data["model.w"] == ("model", "w")
 
 
