@@ -69,7 +69,7 @@ def run_dist(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float
             while not ctx.join(timeout=max(0.0, min(1.0, deadline - time.monotonic()))):
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"run_dist({fn.__name__}) timed out after {timeout:.0f} s")
-        except mp.ProcessException as e:
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
             raise RuntimeError(f"rank {e.error_index} of {fn.__name__} failed: {e}") from None
         finally:
             for p in ctx.processes:

@@ -318,10 +318,13 @@ class RecordReader:
                               self.data_offset(entry), entry)
 
     def load_object(self) -> Any:
-        """The plain-data value of a non-tensor (bytes) record, via the safe unpickler."""
+        """The plain-data value of a non-tensor (bytes) record, via the safe unpickler.
+
+        An ``io.BytesIO`` value comes back as a ``SavedBytes`` holding its bytes.
+        """
         pkl = self.read_entry(self.find("data.pkl") or self._missing_pkl())
         try:
-            return safe_loads(pkl, _TENSOR_GLOBALS, persistent_load=_storage_pid)
+            return safe_loads(pkl, _OBJECT_GLOBALS, persistent_load=_storage_pid)
         except UnsafePickleError as e:
             raise self._bad(f"data.pkl references {e.module}.{e.name}, which is not allowed in "
                             "a checkpoint value (possibly malicious; nothing was run)") from None
@@ -436,6 +439,48 @@ _TENSOR_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch", "Size"): lambda dims=(): tuple(dims),
     **{("torch", name): _StorageType(dt) for name, dt in BY_STORAGE.items()},
 }
+
+
+class SavedBytes:
+    """An ``io.BytesIO`` value of a state dict, as data: its bytes, nothing else.
+
+    DCP's default planner saves every non-tensor value with ``torch.save``, a ``BytesIO`` too,
+    so its record pickles ``_io.BytesIO``: NEWOBJ (``BytesIO.__new__``) then BUILD with the
+    object's state ``(value, position, __dict__)``. This stand-in accepts exactly that shape
+    (type-checked) and keeps only ``data``; nothing in it can run code. (torchtitan's older
+    ``train_state`` held three, each a ``torch.save`` archive of a list: opaque bytes here.)
+    """
+
+    __slots__ = ("data",)
+
+    def __init__(self, initial: Any = b"") -> None:  # a hand-made REDUCE(BytesIO, (b"...",))
+        self.data = _bytes_of(initial)
+
+    def __setstate__(self, state: Any) -> None:
+        if not (isinstance(state, tuple) and len(state) == 3 and type(state[1]) is int
+                and (state[2] is None or type(state[2]) is dict)):
+            raise ValueError("bad state for io.BytesIO")
+        self.data = _bytes_of(state[0])
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SavedBytes) and other.data == self.data
+
+    def __hash__(self) -> int:
+        return hash(self.data)
+
+    def __repr__(self) -> str:
+        return f"SavedBytes({len(self.data)} bytes)"
+
+
+def _bytes_of(value: Any) -> bytes:
+    if type(value) not in (bytes, bytearray):
+        raise ValueError(f"io.BytesIO value is a {type(value).__name__}, not bytes")
+    return bytes(value)
+
+
+#: What a non-tensor value's record may name: the tensor globals (a value may hold tensors)
+#: and ``io.BytesIO`` as ``SavedBytes``.
+_OBJECT_GLOBALS: dict[tuple[str, str], Any] = {**_TENSOR_GLOBALS, ("_io", "BytesIO"): SavedBytes}
 
 
 def _zip64_extra(extra: bytes, usize: int, csize: int, hoff: int) -> tuple[int, int, int]:

@@ -14,6 +14,22 @@ import pickle
 from collections.abc import Callable, Mapping
 from typing import Any
 
+def _data_bytes(kind: type) -> Callable[..., Any]:
+    """``bytes``/``bytearray`` taking only the forms pickle writes: ``()``, a bytes object, or
+    ``(str, "latin1")``; never a length (``bytearray(10**12)`` would allocate it)."""
+
+    def build(*args: Any) -> Any:
+        if not args:
+            return kind()
+        if len(args) == 1 and type(args[0]) in (bytes, bytearray):
+            return kind(args[0])
+        if len(args) == 2 and type(args[0]) is str and args[1] in ("latin1", "latin-1"):
+            return kind(args[0].encode("latin1"))
+        raise pickle.UnpicklingError(f"{kind.__name__}{args!r:.40} is not a pickled value")
+
+    return build
+
+
 # Globals a plain-Python payload may use anywhere (all are pure data constructors).
 BASIC: dict[tuple[str, str], Any] = {
     ("collections", "OrderedDict"): dict,
@@ -21,7 +37,8 @@ BASIC: dict[tuple[str, str], Any] = {
     ("builtins", "frozenset"): frozenset,
     ("builtins", "slice"): slice,
     ("builtins", "complex"): complex,
-    ("builtins", "bytearray"): bytearray,
+    ("builtins", "bytearray"): _data_bytes(bytearray),
+    ("builtins", "bytes"): _data_bytes(bytes),  # b"" at protocol 2 is bytes()
     ("_codecs", "encode"): lambda s, enc="utf-8": s.encode(enc) if isinstance(s, str) else b"",
 }
 
@@ -43,6 +60,8 @@ class _Unpickler(pickle.Unpickler):
         self._persistent = persistent_load
 
     def find_class(self, module: str, name: str) -> Any:
+        if module == "__builtin__":  # protocol 2 (torch.save's) names builtins the Python 2 way;
+            module = "builtins"      # pickle's own find_class maps it the same (fix_imports)
         try:
             return self._allowed[(module, name)]
         except KeyError:
