@@ -21,6 +21,16 @@ needs the real Hub's storage):
     POST /NS/NAME.git/info/lfs/objects/verify              after each upload
     POST /api/models/NS/NAME/commit/REV                    NDJSON: header, file, lfsFile, deleted*
 
+and, for ``hf_hub_download`` (``ckptool import`` of a repo id), with REV a branch or the
+commit sha of a branch head:
+
+    HEAD /NS/NAME/resolve/REV/PATH                         X-Repo-Commit, ETag (sha256 of an
+                                                           LFS file, git blob sha1 otherwise),
+                                                           Content-Length
+    GET  /NS/NAME/resolve/REV/PATH                         the same headers and the bytes
+
+``put_files`` stores files on a branch directly (a new head commit), for download tests.
+
 Everything received is kept (``repos``, ``lfs``, ``requests``, ``puts``) so tests can compare
 bytes. Failures of LFS uploads are injected with ``fail_put``. Any other path answers 404
 and is recorded in ``unknown``, so a client version that calls something new shows up in tests.
@@ -128,6 +138,26 @@ class HubServer:
         branch = self.repos[repo_id].branches[revision]
         return {p: (self.lfs[v] if kind == "lfs" else v) for p, (kind, v) in branch.items()}
 
+    def put_files(self, repo_id: str, files: dict[str, bytes], *, revision: str = "main",
+                  owner: str = "alice") -> str:
+        """Commit ``files`` (path -> bytes) onto a branch directly; returns the new head sha.
+        ``.safetensors`` (and other LFS-suffixed) files are stored as LFS objects."""
+        repo = self.create(repo_id, owner=owner)
+        with self.lock:
+            branch = repo.branches.setdefault(revision, {})
+            for path, data in files.items():
+                if path.endswith(LFS_SUFFIXES):
+                    oid = hashlib.sha256(data).hexdigest()
+                    self.lfs[oid] = data
+                    branch[path] = ("lfs", oid)
+                else:
+                    branch[path] = ("regular", data)
+            oid = hashlib.sha1(f"{repo_id}{revision}{len(repo.commits)}".encode()).hexdigest()
+            repo.heads[revision] = oid
+            repo.commits.append({"oid": oid, "revision": revision, "summary": "put_files",
+                                 "operations": [("file", p) for p in files]})
+        return oid
+
     def put_count(self, oid: str, outcome: str | None = None) -> int:
         return sum(1 for o, out in self.puts if o == oid and (outcome is None or out == outcome))
 
@@ -164,6 +194,8 @@ _ROUTES = [
     ("POST", rf"/{_REPO}\.git/info/lfs/objects/batch", "lfs_batch"),
     ("POST", rf"/{_REPO}\.git/info/lfs/objects/verify", "lfs_verify"),
     ("PUT", r"/lfs-upload/(?P<oid>[0-9a-f]{64})", "lfs_put"),
+    ("HEAD", rf"/{_REPO}/resolve/(?P<rev>[^/]+)/(?P<path>.+)", "resolve"),
+    ("GET", rf"/{_REPO}/resolve/(?P<rev>[^/]+)/(?P<path>.+)", "resolve"),
 ]
 
 
@@ -183,6 +215,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_PUT(self) -> None:  # noqa: N802
         self._dispatch("PUT")
+
+    def do_HEAD(self) -> None:  # noqa: N802
+        self._dispatch("HEAD")
 
     # -- plumbing -------------------------------------------------------------------------------
     def _dispatch(self, method: str) -> None:
@@ -227,7 +262,8 @@ class _Handler(BaseHTTPRequestHandler):
         for k, v in (headers or {}).items():
             self.send_header(k, v)
         self.end_headers()
-        self.wfile.write(data)
+        if self.command != "HEAD":
+            self.wfile.write(data)
 
     def _error(self, r: _Reply) -> None:
         headers = {"X-Error-Message": r.message}
@@ -254,6 +290,7 @@ class _Handler(BaseHTTPRequestHandler):
         return repo
 
     def _branch(self, repo: Repo, rev: str) -> dict[str, tuple[str, Any]]:
+        rev = next((b for b, h in repo.heads.items() if h == rev and b in repo.branches), rev)
         if rev not in repo.branches:
             raise _Reply(404, f"Invalid rev id: {rev}", "RevisionNotFound")
         return repo.branches[rev]
@@ -285,10 +322,28 @@ class _Handler(BaseHTTPRequestHandler):
 
     def repo_info(self, repo: str, rev: str = "main") -> None:
         r = self._repo(repo, write=False)
-        self._branch(r, rev)
-        self._send(200, {"id": repo, "modelId": repo, "author": r.owner, "sha": r.heads[rev],
+        branch = self._branch(r, rev)
+        sha = r.heads.get(rev) or rev  # a branch name, or already a head's sha
+        self._send(200, {"id": repo, "modelId": repo, "author": r.owner, "sha": sha,
                          "private": r.private, "siblings": [
-                             {"rfilename": p} for p in sorted(r.branches[rev])]})
+                             {"rfilename": p} for p in sorted(branch)]})
+
+    def resolve(self, repo: str, rev: str, path: str) -> None:
+        r = self._repo(repo, write=False)
+        branch = self._branch(r, rev)
+        if path not in branch:
+            raise _Reply(404, f"{path} does not exist at {rev}", "EntryNotFound")
+        kind, value = branch[path]
+        data = self.hub.lfs[value] if kind == "lfs" else value
+        etag = value if kind == "lfs" else git_blob_sha1(value)
+        self.send_response(200)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("ETag", f'"{etag}"')
+        self.send_header("X-Repo-Commit", r.heads.get(rev) or rev)
+        self.end_headers()
+        if self.command == "GET":
+            self.wfile.write(data)
 
     def refs(self, repo: str) -> None:
         r = self._repo(repo, write=False)

@@ -27,6 +27,7 @@ COMMANDS = {
     "validate": "ckptool.cli.validate:validate_cmd",
     "consolidate": "ckptool.cli.consolidate:consolidate_cmd",
     "reshard": "ckptool.cli.reshard:reshard_cmd",
+    "import": "ckptool.cli.import_cmd:import_cmd",
     "upload": "ckptool.cli.upload:upload_cmd",
     "estimate": "ckptool.cli.estimate:estimate_cmd",
 }

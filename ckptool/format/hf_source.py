@@ -1,0 +1,331 @@
+"""Reading a Hugging Face model folder of safetensors as untrusted data (torch-free).
+
+Owns what ``ckptool import`` trusts about its input: which files make up the model
+(``model.safetensors``, or the shards named by ``model.safetensors.index.json``, or one
+``.safetensors`` file), where every tensor's bytes sit, and which asset files
+(``config.json``, ``generation_config.json``, tokenizer files) travel along. Every header is
+bounds-checked before a byte of data is used: header length inside the file, a JSON object of
+known dtypes, ``end - begin == prod(shape) * itemsize``, offsets inside the file, no two
+tensors overlapping. Index entries are path-checked (relative, no ``..``, nothing that leaves
+the folder through a symlink). PyTorch pickle weights (``*.bin``, ``*.pt``) are refused, never
+unpickled. Moving the bytes is ``ops/import_hf.py``'s business.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckptool.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError
+from ckptool.format.dtypes import BY_SAFETENSORS, DType
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+#: safetensors' own limit on the header (100 MB).
+MAX_HEADER = 100_000_000
+#: Asset files copied into the checkpoint (``hf_assets/``) so an export loads as it is.
+ASSET_NAMES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               "special_tokens_map.json", "tokenizer.model", "added_tokens.json", "vocab.json",
+               "merges.txt", "vocab.txt", "spiece.model", "sentencepiece.bpe.model",
+               "chat_template.jinja", "chat_template.json", "preprocessor_config.json")
+MAX_ASSET_BYTES = 256 << 20
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+@dataclass(frozen=True)
+class SourceTensor:
+    """One tensor of the source: ``nbytes`` at absolute ``offset`` of file ``path``."""
+
+    name: str
+    dtype: DType
+    shape: tuple[int, ...]
+    path: str
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class HFSource:
+    """A checked source model.
+
+    Attributes:
+        root: the folder (or file) it was read from.
+        tensors: name -> ``SourceTensor``, in file then offset order (the read order).
+        files: the safetensors files used, absolute paths.
+        assets: asset name -> absolute path of the files to carry along.
+        config: the parsed ``config.json`` ({} when absent).
+    """
+
+    root: str
+    tensors: dict[str, SourceTensor]
+    files: tuple[str, ...]
+    assets: dict[str, str] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+def open_source(src: str | os.PathLike[str], *, files: dict[str, str] | None = None) -> HFSource:
+    """Check and describe a local HF model folder or a single ``.safetensors`` file.
+
+    Args:
+        src: the folder or file.
+        files: for a Hub download: name -> local path of every file fetched (cache entries are
+            symlinks into the cache, so names are resolved through this map, not the folder).
+
+    Returns:
+        The ``HFSource``.
+
+    Raises:
+        CheckpointNotFoundError: nothing at ``src``, or no safetensors weights in it.
+        IncompatibleCheckpointError: only pickle weights (``.bin``): refused, never unpickled.
+        CorruptCheckpointError: a hostile or damaged header, index or config.
+
+    Example:
+        >>> s = open_source("models/llama-tiny")
+        >>> s.tensors["model.norm.weight"].shape
+        (16,)
+    """
+    p = Path(os.fspath(src))
+    if files is None:
+        if p.is_file():
+            return _open_file(p)
+        if not p.is_dir():
+            raise CheckpointNotFoundError(f"{p} does not exist", path=str(p),
+                                          hint="Give a Hugging Face model folder, a .safetensors "
+                                               "file, or a Hub repo id org/name[@revision]")
+        return _open_folder(p, {e.name for e in p.iterdir()}, None)
+    return _open_folder(p, set(files), files)
+
+
+def _open_file(p: Path) -> HFSource:
+    if p.suffix.lower() in _PICKLE_SUFFIXES:
+        raise _pickle_refusal(str(p), p.name)
+    if p.suffix.lower() != ".safetensors":
+        raise IncompatibleCheckpointError(f"{p} is not a .safetensors file", path=str(p),
+                                          hint="Give a Hugging Face model folder or a .safetensors file")
+    return HFSource(str(p), read_tensors(p), (str(p.resolve()),))
+
+
+def _open_folder(root: Path, present: set[str], files: dict[str, str] | None) -> HFSource:
+    if INDEX_NAME in present:
+        names = _index_files(root, files)
+    elif SINGLE_NAME in present:
+        names = [SINGLE_NAME]
+    else:
+        names = sorted(n for n in present if n.endswith(".safetensors"))
+        if len(names) != 1:
+            if not names:
+                refuse_pickles(str(root), sorted(present))
+            raise CheckpointNotFoundError(
+                f"{root} holds no model.safetensors and no {INDEX_NAME}"
+                + (f" but {len(names)} .safetensors files" if names else ""), path=str(root),
+                hint="Give a Hugging Face model folder saved with save_pretrained")
+    tensors: dict[str, SourceTensor] = {}
+    paths = []
+    for name in names:
+        path = _inside(root, files, name)
+        paths.append(str(path))
+        for t in read_tensors(path).values():
+            if t.name in tensors:
+                raise CorruptCheckpointError(f"{root}: tensor {t.name} is in both "
+                                             f"{Path(tensors[t.name].path).name} and {name}",
+                                             path=str(root), hint="The index or shards are damaged")
+            tensors[t.name] = t
+    if INDEX_NAME in present:
+        _check_weight_map(root, files, tensors)
+    assets = {n: str(_inside(root, files, n)) for n in ASSET_NAMES if n in present}
+    return HFSource(str(root), tensors, tuple(paths), assets, _config(assets))
+
+
+def refuse_pickles(where: str, names: list[str]) -> None:
+    """Raise the pickle refusal if ``names`` hold PyTorch pickle weights (``*.bin``, ...)."""
+    pickles = [n for n in names if n.lower().endswith(_PICKLE_SUFFIXES)]
+    if pickles:
+        raise _pickle_refusal(where, pickles[0])
+
+
+def _pickle_refusal(where: str, name: str) -> IncompatibleCheckpointError:
+    return IncompatibleCheckpointError(
+        f"{where}: {name} is a PyTorch pickle; ckptool never unpickles weights (loading a pickle "
+        "can run arbitrary code)", path=where,
+        hint="Use a safetensors copy of the model (save_pretrained(..., safe_serialization=True) "
+             "or the Hub's safetensors conversion)")
+
+
+def _index(root: Path, files: dict[str, str] | None) -> dict[str, Any]:
+    path = _inside(root, files, INDEX_NAME)
+    if os.path.getsize(path) > MAX_HEADER:
+        raise CorruptCheckpointError(f"{path} is implausibly large", path=str(path))
+    try:
+        obj = json.loads(path.read_bytes())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CorruptCheckpointError(f"{path} is not valid JSON ({e})", path=str(path)) from None
+    wm = obj.get("weight_map") if isinstance(obj, dict) else None
+    if not isinstance(wm, dict) or not wm or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
+        raise CorruptCheckpointError(f"{path} has no weight_map of tensor name -> file name",
+                                     path=str(path))
+    return wm
+
+
+def _index_files(root: Path, files: dict[str, str] | None) -> list[str]:
+    wm = _index(root, files)
+    names = sorted(set(wm.values()))
+    for name in names:
+        _check_name(root, name)
+        if not name.endswith(".safetensors"):
+            if name.lower().endswith(_PICKLE_SUFFIXES):
+                raise _pickle_refusal(str(root), name)
+            raise CorruptCheckpointError(f"{root}/{INDEX_NAME} names {name!r}, not a "
+                                         ".safetensors file", path=str(root))
+    return names
+
+
+def _check_weight_map(root: Path, files: dict[str, str] | None, tensors: dict[str, SourceTensor]) -> None:
+    wm = _index(root, files)
+    for name, fname in wm.items():
+        t = tensors.get(name)
+        if t is None or Path(t.path) != _inside(root, files, fname):
+            raise CorruptCheckpointError(
+                f"{root}/{INDEX_NAME} puts {name} in {fname}, but that file does not hold it",
+                path=str(root), hint="The index and the shards disagree; re-download the model")
+    extra = sorted(set(tensors) - set(wm))
+    if extra:
+        raise CorruptCheckpointError(f"{root}: {extra[0]} is in a shard but not in {INDEX_NAME}",
+                                     path=str(root), hint="The index and the shards disagree")
+
+
+def _check_name(root: Path, name: str) -> None:
+    parts = name.replace("\\", "/").split("/")
+    if (not name or name.startswith(("/", "\\")) or ".." in parts or ":" in name
+            or any(p in ("", ".") for p in parts) or "\0" in name):
+        raise CorruptCheckpointError(f"{root}/{INDEX_NAME} names an unsafe path {name!r}",
+                                     path=str(root), hint="Refusing to read outside the model folder")
+
+
+def _inside(root: Path, files: dict[str, str] | None, name: str) -> Path:
+    """The real path of ``name`` in the source, refusing anything that leaves the folder.
+
+    ``files`` (a Hub download) maps names to the paths the client returned: cache entries,
+    symlinks into the cache's blob store, fetched by ckptool itself. A local folder has none,
+    and there every name must resolve to a regular file inside ``root``.
+    """
+    _check_name(root, name)
+    if files is not None:
+        if name not in files:
+            raise CheckpointNotFoundError(f"{root}: {name} was not downloaded", path=str(root),
+                                          hint="The repo's index names a file it does not hold")
+        return Path(files[name]).resolve()
+    path = root / name
+    if not path.exists():
+        raise CheckpointNotFoundError(f"{root}: {name} is missing", path=str(root),
+                                      hint="The download or copy is incomplete")
+    real = path.resolve()
+    if root.resolve() not in real.parents:
+        raise CorruptCheckpointError(f"{root}: {name} leads outside the folder (to {real})",
+                                     path=str(root), hint="Refusing to follow it")
+    if not real.is_file():
+        raise CorruptCheckpointError(f"{root}: {name} is not a regular file", path=str(root))
+    return real
+
+
+def _config(assets: dict[str, str]) -> dict[str, Any]:
+    for path in assets.values():
+        if os.path.getsize(path) > MAX_ASSET_BYTES:
+            raise CorruptCheckpointError(f"{path} is over {MAX_ASSET_BYTES >> 20} MiB, too large for "
+                                         "an asset file", path=path)
+    if "config.json" not in assets:
+        return {}
+    path = assets["config.json"]
+    try:
+        obj = json.loads(Path(path).read_bytes())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CorruptCheckpointError(f"{path} is not valid JSON ({e})", path=path) from None
+    if not isinstance(obj, dict):
+        raise CorruptCheckpointError(f"{path} is not a JSON object", path=path)
+    return obj
+
+
+# ---------------------------------------------------------------------------------------------
+# One safetensors file
+
+
+def read_tensors(path: str | os.PathLike[str]) -> dict[str, SourceTensor]:
+    """Every tensor of one ``.safetensors`` file, after checking its header against the file.
+
+    Args:
+        path: the file.
+
+    Returns:
+        name -> ``SourceTensor`` in data-offset order.
+
+    Raises:
+        CorruptCheckpointError: any header inconsistency (one line naming the file and tensor).
+
+    Example:
+        >>> read_tensors("model.safetensors")["lm_head.weight"].dtype.name
+        'bfloat16'
+    """
+    path = os.fspath(path)
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) != 8:
+            raise CorruptCheckpointError(f"{path} is too short to be a safetensors file", path=path)
+        (n,) = struct.unpack("<Q", prefix)
+        if n > MAX_HEADER or 8 + n > size:
+            raise CorruptCheckpointError(f"{path}: header length {n} does not fit the file "
+                                         f"({size} bytes)", path=path)
+        text = f.read(n)
+    try:
+        header = json.loads(text)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CorruptCheckpointError(f"{path}: header is not JSON ({e})", path=path) from None
+    if not isinstance(header, dict):
+        raise CorruptCheckpointError(f"{path}: header is not a JSON object", path=path)
+    start, data = 8 + n, size - 8 - n
+    out = [_entry(path, name, info, start, data) for name, info in header.items()
+           if name != "__metadata__"]
+    out.sort(key=lambda t: (t.offset, t.nbytes))
+    end = start
+    for t in out:
+        if t.offset < end and t.nbytes:
+            raise CorruptCheckpointError(f"{path}: tensor {t.name} overlaps the tensor before it",
+                                         path=path, hint="The file is damaged or hostile")
+        end = max(end, t.offset + t.nbytes)
+    return {t.name: t for t in out}
+
+
+def _entry(path: str, name: str, info: Any, start: int, data: int) -> SourceTensor:
+    def bad(what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{path}: tensor {name!r} {what}", path=path,
+                                      hint="The file is damaged or hostile")
+
+    if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+        raise bad("is not a {dtype, shape, data_offsets} entry")
+    dtype = BY_SAFETENSORS.get(info["dtype"]) if isinstance(info["dtype"], str) else None
+    if dtype is None:
+        raise bad(f"has unknown dtype {info['dtype']!r}")
+    shape, offs = info["shape"], info["data_offsets"]
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise bad(f"has a bad shape {shape!r}")
+    if (not isinstance(offs, list) or len(offs) != 2 or not all(type(o) is int for o in offs)
+            or not 0 <= offs[0] <= offs[1]):
+        raise bad(f"has bad data_offsets {offs!r}")
+    if offs[1] > data:
+        raise bad(f"ends at data byte {offs[1]}, past the end of the file ({data} data bytes)")
+    nbytes = math.prod(shape) * dtype.itemsize
+    if offs[1] - offs[0] != nbytes:
+        raise bad(f"spans {offs[1] - offs[0]} bytes but shape {shape} of {dtype} needs {nbytes}")
+    return SourceTensor(name, dtype, tuple(shape), path, start + offs[0])

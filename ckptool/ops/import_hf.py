@@ -1,0 +1,406 @@
+"""Import a Hugging Face safetensors model as a DCP checkpoint for N FSDP2 ranks, offline.
+
+``import_hf`` is a reshard whose source is a folder of safetensors: output rank ``r`` of
+``N`` gets one file, ``__r_0.distcp``, holding exactly its ``torch.chunk`` rows (dim 0) of every
+tensor -- what ``fully_shard`` on N ranks, ``get_model_state_dict`` and ``dcp.save`` write --
+under keys ``model.<hf name>`` (``planner_data`` keeps the nesting ``("model", name)``).
+Records come from ``format/dcp_writer.py`` (byte-identical to ``torch.save``); worker threads,
+progress, verification and the commit are reshard's (``ops/reshard.py``).
+
+Bytes move without torch: each output row block is one contiguous range of a source file,
+read in 8 MiB blocks, cast with numpy when asked (``--dtype float32``, the default: FSDP2
+master weights; bf16 -> fp32 is exact) and CRC-32'd on the way. A tied model whose files
+store no ``lm_head.weight`` gets it from the input embedding, as ``state_dict()`` lists it.
+The source's config and tokenizer files are copied to ``hf_assets/`` and listed in
+``ckptool.json`` (``config["hf_config"]``, ``config["hf_assets"]``) for a later export.
+
+Peak memory: one 8 MiB read buffer and its cast per worker; it does not grow with the model.
+Output goes to a temporary folder renamed at the end: ``.distcp`` files (fsynced), assets,
+``.metadata``, deep verification, ``ckptool.json``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckptool._version import __version__
+from ckptool.errors import ConfigError, CorruptCheckpointError, HubError, IncompatibleCheckpointError
+from ckptool.format import manifest as mf
+from ckptool.format.dcp_writer import (V2_DTYPES, DistcpFile, TensorRecord, crc32_combine,
+                                       fsdp_chunks, write_metadata)
+from ckptool.format.dtypes import DTYPES, DType
+from ckptool.format.hf_source import ASSET_NAMES, INDEX_NAME, SINGLE_NAME, HFSource, SourceTensor, open_source
+from ckptool.format.items import crc32
+from ckptool.format.metadata import METADATA, CheckpointMetadata, Chunk, StorageRef, TensorEntry
+from ckptool.format.reader import CheckpointReader
+from ckptool.format.safetensors_writer import CASTABLE, cast_bytes
+from ckptool.ops.reshard import _fsync, _run_parallel, _Source, _Ticker, _tensor_crc, _unverified
+from ckptool.storage import BLOCK, Storage, atomic_path, is_url
+
+Progress = Callable[[int, int], None]
+DTYPE_CHOICES = ("float32", "keep")
+ASSETS_DIR = "hf_assets"
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(?:@[\w./-]+)?")
+_FADVISE = hasattr(os, "posix_fadvise")
+_CAST_BLOCK = 2 << 20
+
+
+@dataclass(frozen=True)
+class ImportResult:
+    """What ``import_hf`` wrote.
+
+    Attributes:
+        source: the folder, file or ``repo@commit`` read.
+        destination: the checkpoint folder written.
+        world_size: ranks of the output (its number of ``.distcp`` files).
+        tensors: tensors written (``tied``: of them, copies of a tied embedding).
+        bytes_read, bytes: source bytes read, tensor data bytes written.
+        dtypes: source dtype -> output dtype, for every cast made.
+        assets: asset files copied into ``hf_assets/``.
+        files: output file name -> size in bytes.
+        seconds: wall time, verification included.
+        verified: the output passed ``validate --deep`` and per-tensor checksums match.
+    """
+
+    source: str
+    destination: str
+    world_size: int
+    tensors: int
+    tied: list[str]
+    bytes_read: int
+    bytes: int
+    dtypes: dict[str, str]
+    assets: list[str]
+    files: dict[str, int]
+    seconds: float
+    verified: bool
+
+
+@dataclass(frozen=True)
+class _Out:
+    """One output tensor: its key, source, and output dtype."""
+
+    fqn: str
+    src: SourceTensor
+    dtype: DType
+
+
+def import_hf(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, world_size: int,
+              dtype: str = "float32", force: bool = False, verify: bool = True,
+              progress: Progress | None = None) -> ImportResult:
+    """Write the safetensors model ``src`` as a DCP checkpoint for ``world_size`` FSDP2 ranks.
+
+    Peak memory is one 8 MiB buffer (and its cast) per worker thread, whatever the model size.
+
+    Args:
+        src: a Hugging Face model folder (``model.safetensors`` or shards and
+            ``model.safetensors.index.json``), one ``.safetensors`` file, or a Hub repo id
+            ``org/name[@revision]`` (downloaded: safetensors, index, config and tokenizer files).
+        dst: a local folder to create.
+        world_size: ranks of the output layout.
+        dtype: ``"float32"`` casts floating tensors to float32 (FSDP2 master weights);
+            ``"keep"`` keeps the saved dtypes.
+        force: replace an existing ``dst``.
+        verify: deep-validate the output and compare per-tensor checksums before committing.
+        progress: called as ``progress(bytes_done, bytes_total)`` from the calling thread.
+
+    Returns:
+        An ``ImportResult``.
+
+    Raises:
+        CheckpointNotFoundError: no such folder, file or safetensors weights.
+        IncompatibleCheckpointError: pickle weights (``.bin``), refused; or a dtype DCP records
+            cannot hold here.
+        CorruptCheckpointError: a hostile or damaged header or index; failed verification.
+        HubError: the download failed.
+        ConfigError: bad ``world_size``/``dtype``, or ``dst`` exists (without ``force``).
+
+    Example:
+        >>> r = import_hf("models/llama-1b", "ckpt/llama-1b-ws8", world_size=8)
+        >>> r.files["__0_0.distcp"]
+    """
+    t0 = time.perf_counter()
+    if type(world_size) is not int or world_size < 1:
+        raise ConfigError(f"world_size must be a positive integer, got {world_size!r}")
+    if dtype not in DTYPE_CHOICES:
+        raise ConfigError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
+    out = _destination(dst, force)
+    source, label = _open(src)
+    _check_inside(source, out)
+    plan = _plan(source, dtype)
+    ranks = _plan_ranks(plan, world_size)
+    with atomic_path(out) as tmp:
+        tmp.mkdir()
+        ticker = _Ticker(progress, sum(o.src.nbytes for o in plan))
+        written, crcs = _Writer(ticker).run(tmp, ranks)
+        assets = _copy_assets(source, tmp)
+        meta = _metadata(plan, ranks, written)
+        meta_size = write_metadata(tmp, meta, checkpoint_id=str(out))
+        if verify:
+            _verify(tmp, plan, crcs)
+        files = {name: (size, digest) for name, (size, digest, _) in written.items()}
+        files[METADATA] = mf.file_checksum(Storage.open(tmp), METADATA)
+        files.update(assets)
+        _write_manifest(tmp, source, label, world_size, dtype, files)
+    return ImportResult(
+        source=label, destination=str(out), world_size=world_size, tensors=len(plan),
+        tied=[o.fqn for o in plan if o.fqn != f"model.{o.src.name}"],
+        bytes_read=sum(t.nbytes for t in source.tensors.values()),
+        bytes=sum(o.src.nbytes // o.src.dtype.itemsize * o.dtype.itemsize for o in plan),
+        dtypes={o.src.dtype.name: o.dtype.name for o in plan if o.src.dtype != o.dtype},
+        assets=sorted(n.split("/", 1)[1] for n in assets),
+        files={**{n: s for n, (s, _) in sorted(files.items()) if n != METADATA and "/" not in n},
+               METADATA: meta_size},
+        seconds=time.perf_counter() - t0, verified=verify)
+
+
+# ---------------------------------------------------------------------------------------------
+# Source and destination
+
+
+def is_repo_id(src: str | os.PathLike[str]) -> bool:
+    """``org/name[@revision]`` that is not a local path."""
+    text = os.fspath(src)
+    return bool(_REPO_ID.fullmatch(text)) and not os.path.exists(text)
+
+
+def _open(src: str | os.PathLike[str]) -> tuple[HFSource, str]:
+    if is_repo_id(src):
+        from ckptool.ops.hub_download import download
+
+        repo_id, _, revision = os.fspath(src).partition("@")
+        root, files, sha = download(repo_id, revision or None)
+        return open_source(root, files=files), f"{repo_id}@{sha}"
+    source = open_source(src)
+    return source, source.root
+
+
+def _destination(dst: str | os.PathLike[str], force: bool) -> Path:
+    if is_url(dst):
+        raise ConfigError(f"{os.fspath(dst)}: import writes to a local folder; write locally "
+                          "and upload the result")
+    out = Path(os.path.abspath(os.fspath(dst))).resolve()
+    if (out.exists() or out.is_symlink()) and not force:
+        raise ConfigError(f"{out} already exists", path=str(out),
+                          hint="Pass --force to replace it, or choose another DST")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{out} exists and is not a folder; remove it or choose another DST")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _check_inside(source: HFSource, out: Path) -> None:
+    root = Path(source.root).resolve()
+    if out == root or out in root.parents:
+        raise ConfigError(f"DST {out} is, or contains, the source {root}; choose another DST")
+
+
+# ---------------------------------------------------------------------------------------------
+# Planning (headers only)
+
+
+def _plan(source: HFSource, dtype: str) -> list[_Out]:
+    """Output tensors in source read order; a tied ``lm_head.weight`` last."""
+    target = DTYPES["float32"]
+    plan = []
+    for t in source.tensors.values():
+        out = target if dtype == "float32" and t.dtype.name in CASTABLE else t.dtype
+        if out.name not in V2_DTYPES:
+            raise IncompatibleCheckpointError(
+                f"{source.root}: {t.name} is {t.dtype}, which ckptool cannot write as a DCP "
+                "record yet", path=source.root, hint="Convert it to a float dtype first")
+        plan.append(_Out(f"model.{t.name}", t, out))
+    tied = _tied_head(source)
+    if tied is not None:
+        emb = next(o for o in plan if o.src.name == tied[1])
+        plan.append(_Out(f"model.{tied[0]}", emb.src, emb.dtype))
+    return plan
+
+
+def _tied_head(source: HFSource) -> tuple[str, str] | None:
+    """(head name, embedding name) when the files leave out a head that ``state_dict()`` lists.
+
+    transformers keeps a tied ``lm_head.weight`` in ``state_dict()`` (both names share one
+    parameter) but ``save_pretrained`` stores it once, under the embedding's name.
+    """
+    cfg = source.config
+    tie = cfg.get("tie_word_embeddings")
+    if tie is None and isinstance(cfg.get("text_config"), dict):
+        tie = cfg["text_config"].get("tie_word_embeddings")
+    if tie is not True or "lm_head.weight" in source.tensors:
+        return None
+    for emb in ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight",
+                "transformer.wte.weight", "model.decoder.embed_tokens.weight"):
+        if emb in source.tensors:
+            return "lm_head.weight", emb
+    found = [n for n in source.tensors if n.endswith(("embed_tokens.weight", "wte.weight"))]
+    return ("lm_head.weight", found[0]) if len(found) == 1 else None
+
+
+def _plan_ranks(plan: list[_Out], world_size: int) -> list[list[tuple[_Out, Chunk]]]:
+    ranks: list[list[tuple[_Out, Chunk]]] = [[] for _ in range(world_size)]
+    for o in plan:
+        for rank, chunk in fsdp_chunks(o.src.shape, world_size):
+            ranks[rank].append((o, chunk))
+    return ranks
+
+
+def _file_name(rank: int) -> str:
+    return f"__{rank}_0.distcp"
+
+
+def _metadata(plan: list[_Out], ranks: list[list[tuple[_Out, Chunk]]],
+              written: dict[str, tuple[int, str, list[StorageRef]]]) -> CheckpointMetadata:
+    chunks: dict[str, list[Chunk]] = defaultdict(list)
+    for rank, items in enumerate(ranks):
+        for (o, chunk), ref in zip(items, written[_file_name(rank)][2]):
+            chunks[o.fqn].append(Chunk(chunk.offsets, chunk.sizes, ref))
+    tensors = {o.fqn: TensorEntry(o.fqn, o.dtype, o.src.shape, tuple(chunks[o.fqn])) for o in plan}
+    return CheckpointMetadata(tensors=tensors, objects={},
+                              planner_data={o.fqn: ("model", o.fqn[len("model."):]) for o in plan},
+                              save_id=str(uuid.uuid4()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Copying
+
+
+class _Writer:
+    """Writes one ``.distcp`` file per rank on worker threads; CRC-32 of every chunk written."""
+
+    def __init__(self, ticker: _Ticker) -> None:
+        self.ticker = ticker
+        self.fds: dict[str, int] = {}
+
+    def run(self, folder: Path, ranks: list[list[tuple[_Out, Chunk]]]
+            ) -> tuple[dict[str, tuple[int, str, list[StorageRef]]], dict[tuple[str, int], int]]:
+        paths = sorted({o.src.path for items in ranks for o, _ in items})
+        self.fds = {p: os.open(p, os.O_RDONLY) for p in paths}
+        self.crcs: dict[tuple[str, int], int] = {}  # (fqn, first row) -> CRC-32 written
+        jobs = [(folder / _file_name(r), items) for r, items in enumerate(ranks)]
+        try:
+            with ThreadPoolExecutor(1) as self.flusher:  # fsync finished files meanwhile
+                self.flushed: list[Future] = []
+                results = _run_parallel(self.ticker, self._write_file, jobs,
+                                        min(os.cpu_count() or 1, 4))
+                for f in self.flushed:
+                    f.result()
+        finally:
+            for fd in self.fds.values():
+                os.close(fd)
+        return {path.name: res for (path, _), res in zip(jobs, results)}, self.crcs
+
+    def _write_file(self, job: tuple[Path, list[tuple[_Out, Chunk]]]) -> tuple[int, str, list]:
+        path, items = job
+        refs = []
+        buf = bytearray(BLOCK)
+        with DistcpFile(path) as f:
+            for o, chunk in items:
+                start = f.size
+                self._chunk(f, o, chunk, buf)
+                refs.append(StorageRef(f.name, start, f.size - start))
+            f.close(sync=False)
+        self.flushed.append(self.flusher.submit(_fsync, path))
+        return f.size, f.digest, refs
+
+    def _chunk(self, f: DistcpFile, o: _Out, chunk: Chunk, buf: bytearray) -> None:
+        rec = TensorRecord(o.dtype, chunk.sizes)
+        f.write(rec.head)
+        t = o.src
+        row = t.nbytes // t.shape[0] if t.shape else t.nbytes
+        lo = chunk.offsets[0] if chunk.offsets else 0
+        length = (chunk.sizes[0] if chunk.sizes else 1) * row
+        crc = 0
+        # A cast allocates a few times its output: cast 2 MiB at a time, copy 8 MiB.
+        view = memoryview(buf)[:_CAST_BLOCK] if t.dtype != o.dtype else memoryview(buf)
+        for data in _read(self.fds[t.path], t.offset + lo * row, length, view, t.path):
+            data = cast_bytes(data, t.dtype, o.dtype)
+            crc = crc32(data, crc)
+            f.write(data)
+            self.ticker.add(len(data) * t.dtype.itemsize // o.dtype.itemsize)
+        f.write(rec.tail(crc))
+        self.crcs[(o.fqn, lo)] = crc
+
+
+def _read(fd: int, start: int, length: int, buf: memoryview, where: str):
+    """``length`` bytes at ``start`` of ``fd`` in views of ``buf`` (read ahead meanwhile)."""
+    view, done = buf, 0
+    while done < length:
+        want = min(len(buf), length - done)
+        if _FADVISE and done + want < length:
+            os.posix_fadvise(fd, start + done + want, min(len(buf), length - done - want),
+                             os.POSIX_FADV_WILLNEED)
+        n = os.preadv(fd, [view[:want]], start + done)
+        if n <= 0:
+            raise CorruptCheckpointError(f"{where} ended while reading it (changed meanwhile?)",
+                                         path=where, hint="Nothing was written")
+        yield view[:n]
+        done += n
+
+
+def _copy_assets(source: HFSource, tmp: Path) -> dict[str, tuple[int, str]]:
+    """Copy the asset files into ``hf_assets/``; their (size, xxh3-64) by relative path."""
+    if not source.assets:
+        return {}
+    (tmp / ASSETS_DIR).mkdir()
+    out = {}
+    for name, path in sorted(source.assets.items()):
+        rel = f"{ASSETS_DIR}/{name}"
+        shutil.copyfile(path, tmp / rel, follow_symlinks=True)
+        _fsync(tmp / rel)
+        out[rel] = mf.file_checksum(Storage.open(tmp), rel)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Verification and manifest
+
+
+def _verify(folder: Path, plan: list[_Out], crcs: dict[tuple[str, int], int]) -> None:
+    """Deep-validate the output; then every tensor's row-major CRC-32, from its verified
+    records, must equal the CRC-32 of the (cast) source rows computed while copying."""
+    from ckptool.ops.validate import validate
+
+    report = validate(str(folder), deep=True)
+    if not report.ok:
+        raise _unverified(str(folder), report.errors[0].message)
+    meta = report.metadata[""]
+    if set(meta.tensors) != {o.fqn for o in plan}:
+        raise _unverified(str(folder), "the written index does not list the planned tensors")
+    with CheckpointReader(Storage.open(folder), meta) as ck:
+        out = _Source(ck)
+        for o in plan:
+            t = meta.tensors[o.fqn]
+            if t.shape != o.src.shape or t.dtype != o.dtype:
+                raise _unverified(str(folder), f"{o.fqn} is {t.dtype} {list(t.shape)}, planned "
+                                  f"{o.dtype} {list(o.src.shape)}")
+            want, size = 0, 0
+            for c in sorted(t.chunks, key=lambda c: c.offsets):
+                n = c.numel * t.dtype.itemsize
+                want, size = crc32_combine(want, crcs[(o.fqn, c.offsets[0] if c.offsets else 0)], n), size + n
+            if _tensor_crc(out, t) != (want, size):
+                raise _unverified(str(folder), f"{o.fqn} differs from the source rows")
+
+
+def _write_manifest(tmp: Path, source: HFSource, label: str, world_size: int, dtype: str,
+                    files: dict[str, tuple[int, str]]) -> None:
+    assets = {n.split("/", 1)[1]: n for n in files if n.startswith(f"{ASSETS_DIR}/")}
+    manifest = mf.Manifest(
+        step=None, world_size=world_size,
+        files={name: {"size": size, mf.CHECKSUM: digest} for name, (size, digest) in files.items()},
+        config={"hf_config": source.config, "hf_assets": assets},
+        source={"path": label, "operation": "import", "format": "safetensors", "dtype": dtype},
+        created=time.time(), ckptool_version=__version__)
+    mf.write_manifest(Storage.open(tmp), manifest)
+
+
+__all__ = ["ASSET_NAMES", "INDEX_NAME", "SINGLE_NAME", "ImportResult", "import_hf", "is_repo_id"]
