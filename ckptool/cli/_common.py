@@ -33,8 +33,10 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def parse_size(text: str) -> int:
-    """'5GB' -> 5_000_000_000, '512MiB' -> 536870912, '1000' -> 1000."""
+def parse_size(text: str, *, option: str | None = None) -> int:
+    """'5GB' -> 5_000_000_000, '512MiB' -> 536870912, '1000' -> 1000.
+
+    ``option`` names the flag in the error (``click.BadParameter``, exit 2)."""
     s = text.strip().upper().replace(" ", "")
     units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40,
              "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
@@ -47,9 +49,10 @@ def parse_size(text: str) -> int:
     try:
         value = float(num)
     except ValueError:
-        raise click.BadParameter(f"{text!r} is not a size; use e.g. 5GB, 500MB, 2GiB") from None
+        raise click.BadParameter(f"{text!r} is not a size; use e.g. 5GB, 500MB, 2GiB",
+                                 param_hint=option) from None
     if value <= 0:
-        raise click.BadParameter(f"{text!r}: size must be positive")
+        raise click.BadParameter(f"{text!r}: size must be positive", param_hint=option)
     return int(value * mult)
 
 

@@ -62,7 +62,7 @@ def upload_cmd(path: str, repo_id: str, private: bool, revision: str | None,
     show = progress_enabled(json_out)
     if not show:
         disable_progress_bars()
-    limit = parse_size(max_shard_size) if max_shard_size is not None else None
+    limit = parse_size(max_shard_size, option="--max-shard-size") if max_shard_size is not None else None
     with byte_progress("upload", show) as progress:
         result = upload(path, repo_id, private=private, revision=revision,
                         path_in_repo=path_in_repo, commit_message=commit_message,

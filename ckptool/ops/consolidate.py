@@ -33,7 +33,7 @@ from ckptool._version import __version__
 from ckptool.errors import (CheckpointNotFoundError, ConfigError, CorruptCheckpointError,
                             IncompleteCheckpointError)
 from ckptool.format.dtypes import CAST_TARGETS, DTYPES, DType
-from ckptool.format.layout import CheckpointDir, resolve_checkpoint
+from ckptool.format.layout import CheckpointDir, resolve_checkpoint, step_of
 from ckptool.format.manifest import Manifest, read_manifest
 from ckptool.format.metadata import CheckpointMetadata, Chunk, TensorEntry
 from ckptool.format.state_layout import StateLayout, read_layout
@@ -64,6 +64,7 @@ class ConsolidateResult:
         dtype: the cast target, or None when bytes were copied as saved.
         verified: the output was re-read and matched the source checksums.
         note: how the model's keys were found when another reading was possible (say it).
+        removed: files of an earlier export that ``force`` replaced or deleted.
     """
 
     source: str
@@ -77,6 +78,7 @@ class ConsolidateResult:
     dtype: str | None
     verified: bool
     note: str | None = None
+    removed: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -91,11 +93,12 @@ class _Piece:
 
 
 def consolidate(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
-                dtype: str | None = None, max_shard_size: int = DEFAULT_MAX_SHARD,
+                dtype: str | None = None, max_shard_size: int | None = None,
                 include: Iterable[str] = (), exclude: Iterable[str] = (),
                 keep_prefix: bool = False, model_key: str | None = None,
-                keep_wrappers: bool = False, verify: bool = False, check_crc: bool = True,
-                workers: int | None = None, progress: Progress | None = None) -> ConsolidateResult:
+                keep_wrappers: bool = False, force: bool = False, verify: bool = False,
+                check_crc: bool = True, workers: int | None = None,
+                progress: Progress | None = None) -> ConsolidateResult:
     """Write a checkpoint's model weights as safetensors, streaming chunk bytes.
 
     Peak memory is a fixed 8 MiB buffer per worker for row-block (FSDP2 ``Shard(0)``) chunks,
@@ -107,13 +110,17 @@ def consolidate(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
         dst: ``*.safetensors`` for one file, else a folder for HF-style shards
             (``model-0000i-of-0000N.safetensors`` + ``model.safetensors.index.json``).
         dtype: cast floating tensors to ``float32``, ``bfloat16`` or ``float16``.
-        max_shard_size: data bytes per shard in folder mode (a bigger tensor gets its own).
+        max_shard_size: data bytes per shard in folder mode (a bigger tensor gets its own;
+            default 5 GB). An error with a ``.safetensors`` output, which is one file.
         include, exclude: fnmatch patterns on output names; a tensor is kept when it matches
             some include (or none are given) and no exclude.
         keep_prefix: name tensors by their full DCP key (``model.`` level included).
         model_key: the model's sub-tree by hand, dotted (``app.model``); default: found from
             the checkpoint's records (``format/state_layout.py``).
         keep_wrappers: keep ``_orig_mod.``, ``_checkpoint_wrapped_module.``, ... in names.
+        force: replace an existing ``.safetensors`` file, or the weight files
+            (``model*.safetensors`` and the index) of a non-empty folder; other files there are
+            kept. Without it an existing output is an error and nothing is touched.
         verify: re-read the output and compare xxh3 checksums with the bytes copied.
         check_crc: check every source record's CRC-32 (False saves one read of the source
             through memory, but lets damaged bytes through).
@@ -136,17 +143,21 @@ def consolidate(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
     """
     t0 = time.perf_counter()
     cast = _cast_target(dtype)
-    if max_shard_size <= 0:
-        raise ConfigError(f"max_shard_size must be positive, got {max_shard_size}")
+    if max_shard_size is not None and max_shard_size <= 0:
+        raise ConfigError(f"--max-shard-size must be positive, got {max_shard_size}")
     dst = _local_dst(dst)
+    single = dst.suffix == ".safetensors" and not dst.is_dir()
+    if single and max_shard_size is not None:
+        raise ConfigError(f"--max-shard-size applies to a folder output; {dst.name} is one file",
+                          hint="Drop --max-shard-size, or give a folder as OUTPUT to get shards")
     ckpt, meta = _open_source(src)
+    _check_destination(dst, ckpt)
     man = read_manifest(ckpt.part(ckpt.model_part))
     layout = read_layout(meta, model_key=model_key, keep_wrappers=keep_wrappers,
                          ckptool_manifest=man is not None, where=ckpt.url)
     selected = _select(meta, layout, include, exclude, keep_prefix, ckpt.url)
     specs = [TensorSpec(name, _out_dtype(t.dtype, cast), t.shape) for t, name in selected]
-    single = dst.suffix == ".safetensors" and not dst.is_dir()
-    groups = [specs] if single else split_shards(specs, max_shard_size)
+    groups = [specs] if single else split_shards(specs, max_shard_size or DEFAULT_MAX_SHARD)
     names = [dst.name] if single else shard_filenames(len(groups))
     header_meta = _provenance(ckpt, meta, man, cast)
     layouts = [plan_file(n, g, header_meta) for n, g in zip(names, groups)]
@@ -154,7 +165,8 @@ def consolidate(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
     storage = ckpt.part(ckpt.model_part)
     nworkers = workers or (2 if storage.is_local else 1)
     inline = cast is not None or verify or not storage.is_local
-    with CheckpointReader(storage, meta) as ck, StagedOutput(dst, single=single) as out_dir:
+    staged = StagedOutput(dst, single=single, replace=force)
+    with CheckpointReader(storage, meta) as ck, staged as out_dir:
         paths = [out_dir / lay.filename for lay in layouts] if not single else [out_dir]
         copier = _Copier(ck, check_crc=check_crc, track=verify, inline=inline)
         copier.run(paths, layouts, pieces, whole, nworkers, progress)
@@ -169,7 +181,8 @@ def consolidate(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
         tensors=len(specs), bytes=sum(lay.data_bytes for lay in layouts),
         seconds=time.perf_counter() - t0, step=_int_or_none(header_meta.get("source_step")),
         world_size=meta.world_size,
-        dtype=cast.name if cast else None, verified=verify, note=layout.note)
+        dtype=cast.name if cast else None, verified=verify, note=layout.note,
+        removed=tuple(staged.removed))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,10 +202,26 @@ def _out_dtype(src: DType, cast: DType | None) -> DType:
 
 
 def _local_dst(dst: str | os.PathLike[str]) -> Path:
+    if not os.fspath(dst).strip():
+        raise ConfigError("OUTPUT is empty; give a .safetensors file name or a folder")
     if is_url(dst):
         raise ConfigError(f"{os.fspath(dst)}: consolidate writes to a local path; write locally "
                           "and use 'ckptool upload' to ship the result")
     return Path(os.path.abspath(os.fspath(dst)))
+
+
+def _check_destination(dst: Path, ckpt: CheckpointDir) -> None:
+    """Never write into the source checkpoint, over it, or into its run's checkpoint list."""
+    if not ckpt.storage.is_local:
+        return
+    src = Path(ckpt.url).resolve()
+    out = dst.resolve()
+    if out == src or src in out.parents or out in src.parents:
+        raise ConfigError(f"OUTPUT {dst} is inside, or holds, the source checkpoint {src}",
+                          hint="Write the export to a folder outside the checkpoint and its run")
+    if out.parent == src.parent and step_of(out.name) is not None:
+        raise ConfigError(f"OUTPUT {dst} would be listed as a checkpoint of the run {src.parent}",
+                          hint="Choose a name that is not step_N / checkpoint-N, or another folder")
 
 
 def _open_source(src: str | os.PathLike[str]) -> tuple[CheckpointDir, CheckpointMetadata]:

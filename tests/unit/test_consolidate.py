@@ -94,7 +94,7 @@ def test_include_exclude_and_keep_prefix(ckpt, tmp_path):
     out = tmp_path / "m.safetensors"
     consolidate(ckpt, out, include=["*.weight", "scale"], exclude=["norm.*"])
     assert set(load_file(out)) == {"emb.weight", "proj.weight", "scale"}
-    consolidate(ckpt, out, include=["model.emb.*"], keep_prefix=True)
+    consolidate(ckpt, out, include=["model.emb.*"], keep_prefix=True, force=True)
     assert set(load_file(out)) == {"model.emb.weight"}
     with pytest.raises(ConfigError, match="no tensor matches"):
         consolidate(ckpt, out, include=["nothing*"])
@@ -113,17 +113,50 @@ def test_folder_output_is_hf_sharded_with_index(ckpt, tmp_path):
         with safe_open(str(dst / file), "pt") as f:
             loaded[name] = f.get_tensor(name)
     assert all(torch.equal(loaded[k], v) for k, v in _model().items())
-    big = consolidate(ckpt, tmp_path / "one.safetensors", max_shard_size=100)  # a file may exceed
-    assert len(big.files) == 1
+    with pytest.raises(ConfigError, match="--max-shard-size applies to a folder output"):
+        consolidate(ckpt, tmp_path / "one.safetensors", max_shard_size=100)  # not ignored
+    assert not (tmp_path / "one.safetensors").exists()
 
 
-def test_folder_output_merges_into_existing_folder(ckpt, tmp_path):
+def test_existing_folder_is_refused_then_replaced_with_force(ckpt, tmp_path):
     dst = tmp_path / "hf"
     dst.mkdir()
     (dst / "config.json").write_text("{}")
-    (dst / "model-00009-of-00009.safetensors").write_bytes(b"stale")
-    consolidate(ckpt, dst)  # fits one shard: model.safetensors, no index (as huggingface_hub)
-    assert _leftovers(dst) == ["config.json", "model.safetensors"]
+    (dst / "tokenizer.json").write_text("{}")
+    (dst / "model-00001-of-00002.safetensors").write_bytes(b"old 1")
+    (dst / "model-00002-of-00002.safetensors").write_bytes(b"old 2")
+    (dst / "model.safetensors.index.json").write_text("{}")
+    before = {p.name: p.read_bytes() for p in dst.iterdir()}
+    with pytest.raises(ConfigError, match="is not empty.*--force"):
+        consolidate(ckpt, dst)
+    assert {p.name: p.read_bytes() for p in dst.iterdir()} == before  # nothing touched
+    r = consolidate(ckpt, dst, force=True)  # fits one shard: model.safetensors, no index
+    assert _leftovers(dst) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert sorted(r.removed) == ["model-00001-of-00002.safetensors",
+                                 "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+
+
+def test_existing_file_is_refused_then_replaced_with_force(ckpt, tmp_path):
+    dst = tmp_path / "precious.safetensors"
+    dst.write_bytes(b"precious")
+    with pytest.raises(ConfigError, match="already exists.*--force"):
+        consolidate(ckpt, dst)
+    assert dst.read_bytes() == b"precious"
+    r = consolidate(ckpt, dst, force=True)
+    assert r.removed == ("precious.safetensors",) and sorted(load_file(dst)) == sorted(_model())
+
+
+@pytest.mark.parametrize("where", ["inside", "itself", "run", "step_name", "empty"])
+def test_output_never_lands_in_the_source_or_its_run(ckpt, tmp_path, where):
+    run = tmp_path / "run"
+    shutil.copytree(ckpt, run / "step_1")
+    src = run / "step_1"
+    dst = {"inside": src / "model.safetensors", "itself": src, "run": run,
+           "step_name": run / "step_99", "empty": ""}[where]
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with pytest.raises(ConfigError):
+        consolidate(src if where != "run" else run, dst, force=True)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
 
 
 def _flip_data_byte(src: Path, dst: Path, fqn: str) -> Path:
@@ -149,7 +182,7 @@ def test_damaged_chunk_leaves_nothing_and_keeps_old_output(ckpt, tmp_path):
     assert _leftovers(out_dir) == []
     (out_dir / "m.safetensors").write_bytes(b"old")
     with pytest.raises(CorruptCheckpointError):
-        consolidate(bad, out_dir / "m.safetensors", dtype="bfloat16")
+        consolidate(bad, out_dir / "m.safetensors", dtype="bfloat16", force=True)
     assert _leftovers(out_dir) == ["m.safetensors"]
     assert (out_dir / "m.safetensors").read_bytes() == b"old"
 
