@@ -458,6 +458,94 @@ class Checkpointer:
         self.last_loaded = str(path)
         return layout.step_of(_name(path)) or 0
 
+    def load_pretrained(self, model: Any, path: str | os.PathLike[str], *,
+                        tmp_dir: str | os.PathLike[str] | None = None) -> str:
+        """Load model weights only (no optimizer, no step) into ``model`` (called on all ranks).
+
+        ``path`` is a DCP checkpoint with ``model.*`` keys (``ckptool import`` output, a
+        ``step_N`` or ``final_model`` folder) or a Hugging Face safetensors folder, file or Hub
+        repo id, which rank 0 imports first into a temporary checkpoint for this world size
+        (removed afterwards). Any rank count works: DCP reshards on load.
+
+        Args:
+            model: the (FSDP2-sharded) model; its ``state_dict()`` keys must all be in ``path``.
+            path: the checkpoint or Hugging Face model.
+            tmp_dir: where a Hugging Face model is imported (default: the system temp folder;
+                on several nodes give a shared one, or run ``ckptool import`` once instead).
+
+        Returns:
+            The DCP checkpoint folder loaded from.
+
+        Raises:
+            CorruptCheckpointError: ``validate`` found errors in the checkpoint.
+            IncompatibleCheckpointError: keys or shapes do not match the model.
+            CkptError: the Hugging Face model could not be imported.
+
+        Example:
+            >>> Checkpointer("runs/ft").load_pretrained(model, "models/llama-tiny")
+        """
+        tmp, problem = None, None
+        if _rank() == 0:
+            try:
+                tmp = _import_pretrained(path, _world_size(), tmp_dir)
+            except CkptError as e:
+                problem = str(e)
+        tmp, problem = _broadcast((str(tmp) if tmp else None, problem))
+        if problem is not None:
+            raise CkptError(problem, path=os.fspath(path))
+        try:
+            ckpt = tmp or os.fspath(path)
+            _load_model_weights(model, ckpt)
+        finally:
+            _barrier()
+            if tmp and _rank() == 0:
+                shutil.rmtree(Path(tmp).parent, ignore_errors=True)
+        self.last_loaded = os.fspath(path)
+        return os.fspath(path) if tmp is None else tmp
+
+
+def _import_pretrained(path: str | os.PathLike[str], world_size: int,
+                       tmp_dir: str | os.PathLike[str] | None) -> Path | None:
+    """Import a Hugging Face model into a temporary checkpoint; None for a DCP checkpoint."""
+    import tempfile
+
+    from ckptool.ops.import_hf import import_hf, is_repo_id
+
+    p = Path(os.fspath(path))
+    hf = is_repo_id(path) or (p.is_file() and not is_url(path)) or (
+        p.is_dir() and not (p / layout.METADATA).exists()
+        and any(q.suffix in (".safetensors", ".bin") or q.name == "config.json" for q in p.iterdir()))
+    if not hf:
+        return None
+    folder = Path(tempfile.mkdtemp(prefix="ckptool-pretrained-", dir=tmp_dir))
+    try:
+        return Path(import_hf(path, folder / "model", world_size=world_size, dtype="keep").destination)
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+
+
+def _load_model_weights(model: Any, path: str) -> None:
+    """``dcp.load`` of the model's state (keys ``model.*``), then ``set_model_state_dict``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         set_model_state_dict)
+
+    problem = _broadcast(_validation_problem(path) if _rank() == 0 else None)
+    if problem is not None:
+        raise CorruptCheckpointError(f"{path} is not a loadable checkpoint: {problem}", path=path,
+                                     hint=f"Run 'ckptool validate {path}' for details")
+    state = {"model": get_model_state_dict(model)}
+    try:
+        dcp.load(state, checkpoint_id=path)
+        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
+    except (Exception, dcp.CheckpointException) as e:
+        if isinstance(e, CkptError):
+            raise
+        raise IncompatibleCheckpointError(
+            f"cannot load the weights of {path} into this model: {_first_line(e)}", path=path,
+            hint="Check that the model's architecture and sizes match the checkpoint") from e
+
 
 def _name(path: str | os.PathLike[str]) -> str:
     """The last component of a path or URL."""

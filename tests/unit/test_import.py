@@ -384,3 +384,31 @@ def test_import_from_hub(models, tmp_path):
         assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
         assert proc.stderr.startswith("error: ") and expect in proc.stderr, proc.stderr
     assert not (tmp_path / "b").exists() and not (tmp_path / "n").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpointer.load_pretrained without a process group (FSDP2 ranks: tests/dist)
+
+
+def test_load_pretrained_single_process(models, tmp_path):
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from ckptool.checkpoint import Checkpointer
+
+    src = models[(True, "bfloat16", True)]
+    ref = LlamaForCausalLM.from_pretrained(src, dtype=torch.float32)
+    ids = torch.arange(12).reshape(2, 6) % 67
+    for path in (src, None):
+        if path is None:
+            import_hf(src, tmp_path / "ck", world_size=3)
+            path = tmp_path / "ck"
+        torch.manual_seed(7)
+        model = LlamaForCausalLM(tiny_config(True))
+        used = Checkpointer(tmp_path / "run").load_pretrained(model, path, tmp_dir=tmp_path)
+        assert Path(used).name in ("model", "ck")
+        for (n, p), (_, q) in zip(model.state_dict().items(), ref.state_dict().items()):
+            assert torch.equal(p, q), n
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, ref(ids).logits)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("ckptool-pretrained-")]
