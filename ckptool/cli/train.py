@@ -61,6 +61,8 @@ def _options(f: Any) -> Any:
         click.option("--grad-accum", type=int, help="Micro-batches per step." + _default("grad_accum")),
         click.option("--no-resume", **flag, help="Start fresh; refuse an --out that holds checkpoints."),
         click.option("--resume-from", type=click.Path(), help="Resume from this checkpoint folder."),
+        click.option("--init-from", type=click.Path(),
+                     help="Fresh run: start from these model weights (checkpoint or HF safetensors)."),
         click.option("--config", type=file, help="YAML/JSON file of these options (dashes or underscores)."),
         click.option("--accelerate-config", type=file, help="Take FSDP settings from an Accelerate config file."),
         click.option("--log-every", type=int, help="Report progress every K steps." + _default("log_every")),

@@ -6,11 +6,16 @@ Layouts recognised:
 * run folders holding ``step_N/`` (ckptool), ``step-N/`` (torchtitan) or ``checkpoint_N`` /
   ``checkpoint-N`` (Accelerate, HF Trainer) checkpoint folders;
 * Accelerate ``save_state`` output: a folder with ``pytorch_model_fsdp_0/`` (model) and
-  ``optimizer_0/`` (optimizer), each a DCP folder.
+  ``optimizer_0/`` (optimizer), each a DCP folder;
+* DCP's safetensors storage (``HuggingFaceStorageWriter``, torchtitan's ``last_save_in_hf``
+  final ``step-N``): ``.safetensors`` files, an index, no ``.metadata``
+  (``safetensors_source.py``).
 
 A checkpoint counts as *committed* only when every DCP part has its ``.metadata``: DCP writes
-it last, with an atomic rename. Whether a committed checkpoint is also *valid* is
-``ops.validate``'s business, not this module's.
+it last, with an atomic rename. A safetensors checkpoint is committed when its index parses
+and every file it names exists (the index is written last), or, without an index, when its
+one file or its ``save_distributed`` shards have well-formed headers. Whether a committed
+checkpoint is also *valid* is ``ops.validate``'s business, not this module's.
 """
 
 from __future__ import annotations
@@ -40,9 +45,11 @@ class CheckpointDir:
     Attributes:
         storage: the checkpoint folder.
         step: step parsed from the folder name, if it follows a known pattern.
-        kind: ``"dcp"`` (one DCP folder) or ``"accelerate"`` (several DCP parts).
+        kind: ``"dcp"`` (one DCP folder), ``"accelerate"`` (several DCP parts) or
+            ``"safetensors"`` (DCP's safetensors storage).
         parts: DCP folders relative to ``storage`` (``""`` for the folder itself).
-        committed: every part has ``.metadata``.
+        committed: every part has ``.metadata`` (for ``"safetensors"``: see the module doc).
+        reason: why a safetensors checkpoint is not committed, else None.
     """
 
     storage: Storage
@@ -50,6 +57,7 @@ class CheckpointDir:
     kind: str
     parts: tuple[str, ...]
     committed: bool
+    reason: str | None = None
 
     @property
     def name(self) -> str:
@@ -75,6 +83,10 @@ def _has_distcp(entries: list[Entry]) -> bool:
     return any(e.name.endswith(".distcp") for e in entries if not e.is_dir)
 
 
+def _has_step_dirs(entries: list[Entry]) -> bool:
+    return any(e.is_dir and step_of(e.name) is not None for e in entries)
+
+
 def classify(storage: Storage, entries: list[Entry] | None = None) -> CheckpointDir | None:
     """Describe ``storage`` as a checkpoint folder, or None if it is not one."""
     if entries is None:
@@ -87,6 +99,12 @@ def classify(storage: Storage, entries: list[Entry] | None = None) -> Checkpoint
     if parts:
         committed = all(storage.exists(f"{p}/{METADATA}") for p in parts)
         return CheckpointDir(storage, step, "accelerate", tuple(parts), committed)
+    from ckptool.format.safetensors_source import find_layout
+
+    found = find_layout(storage, entries)
+    if found is not None and not (found.mode == "single" and _has_step_dirs(entries)):
+        # (a run folder that also holds some .safetensors file is still a run folder)
+        return CheckpointDir(storage, step, "safetensors", ("",), found.committed, found.reason)
     if step is not None:
         # An empty or torn step folder (the save died before writing any file).
         return CheckpointDir(storage, step, "dcp", ("",), False)
@@ -128,7 +146,8 @@ def resolve_checkpoint(path: str | os.PathLike[str], *, latest_in_run: bool = Tr
             hint=f"Its checkpoints ({names}) are all incomplete; run 'ckptool ls {storage.url}'",
         )
     raise CheckpointNotFoundError(
-        f"{storage.url} holds no checkpoint (no .metadata, no *.distcp files)", path=storage.url,
+        f"{storage.url} holds no checkpoint (no .metadata, no *.distcp files, no "
+        ".safetensors files)", path=storage.url,
         hint="Pass a DCP checkpoint folder such as runs/demo/step_100",
     )
 

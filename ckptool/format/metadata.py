@@ -43,6 +43,9 @@ class StorageRef:
     offset: int
     length: int
     transforms: tuple[str, ...] = ()
+    #: The range is the chunk's row-major bytes themselves (a tensor of a safetensors file,
+    #: ``safetensors_source.py``): no ``torch.save`` record around them, no CRC-32.
+    raw: bool = False
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,9 @@ class CheckpointMetadata:
     version: str | None = None
     save_id: str | None = None
     metadata_bytes: int = 0
+    #: ``"dcp"`` (``.metadata`` + ``.distcp`` records) or ``"safetensors"`` (DCP's
+    #: ``HuggingFaceStorageWriter`` output, read by ``safetensors_source.py``).
+    storage_format: str = "dcp"
 
     def files(self) -> list[str]:
         """Every storage file the index references, sorted."""
@@ -123,12 +129,17 @@ class CheckpointMetadata:
         for name in self.files():
             m = _RANK_RE.fullmatch(name)
             if m is None:
-                return None
+                m = _SHARD_RE.fullmatch(name)  # safetensors save_distributed: rank + 1
+                if m is None:
+                    return None
+                ranks.add(int(m.group(1)) - 1)
+                continue
             ranks.add(int(m.group(1)))
         return max(ranks) + 1 if ranks else None
 
 
 _RANK_RE = re.compile(r"__(\d+)_\d+\.distcp")
+_SHARD_RE = re.compile(r"(?:sharded/)?shard-(\d+)-model-\d+-of-\d+\.safetensors")
 
 # ---------------------------------------------------------------------------------------------
 # Stand-ins for the pickled classes
@@ -215,6 +226,9 @@ METADATA_GLOBALS: dict[tuple[str, str], Any] = {
 def read_metadata(storage: Storage) -> CheckpointMetadata:
     """Read and check the ``.metadata`` of one DCP folder, without importing torch.
 
+    A folder without ``.metadata`` that DCP's ``HuggingFaceStorageWriter`` wrote (safetensors
+    files, an index) is read by ``safetensors_source.read_index`` into the same model.
+
     Args:
         storage: the checkpoint folder.
 
@@ -222,7 +236,8 @@ def read_metadata(storage: Storage) -> CheckpointMetadata:
         The parsed index.
 
     Raises:
-        IncompleteCheckpointError: no ``.metadata`` (the save never committed).
+        IncompleteCheckpointError: no ``.metadata`` (the save never committed), or a
+            safetensors save that did not finish.
         CorruptCheckpointError: unreadable, truncated, hostile (a global outside the
             allow-list) or inconsistent index.
 
@@ -232,6 +247,11 @@ def read_metadata(storage: Storage) -> CheckpointMetadata:
     """
     where = storage.url_of(METADATA)
     if not storage.exists(METADATA):
+        from ckptool.format import safetensors_source as sts  # DCP's HuggingFaceStorageWriter
+
+        found = sts.find_layout(storage)
+        if found is not None:
+            return sts.read_index(storage, found)
         raise IncompleteCheckpointError(
             f"{storage.url} is incomplete: no .metadata, the save was interrupted", path=storage.url,
             hint="Resume from an earlier checkpoint ('ckptool ls' shows the latest good one)",

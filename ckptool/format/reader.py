@@ -4,6 +4,10 @@
 Row-block chunks are contiguous in the full tensor, so callers can copy them file-to-file
 using ``locate()`` (absolute offset + length in an open file); everything else goes through
 ``read_chunk()``, which returns row-major bytes of one chunk (bounded by that chunk's size).
+
+A chunk of a safetensors checkpoint (``StorageRef.raw``) is its row-major bytes themselves:
+``locate()`` describes it as a contiguous record of exactly those bytes, and ``has_crc`` is
+False (there is no checksum to check; callers skip the CRC-32 for it).
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ckptool.errors import CorruptCheckpointError
-from ckptool.format.items import RecordReader, TensorLocation
+from ckptool.format.items import RecordReader, TensorLocation, ZipEntry, contiguous_strides
 from ckptool.format.metadata import CheckpointMetadata, Chunk, StorageRef, TensorEntry, read_metadata
 from ckptool.storage import RangeReader, Storage
 
@@ -31,6 +35,11 @@ class ChunkBytes:
     @property
     def nbytes(self) -> int:
         return self.location.nbytes
+
+    @property
+    def has_crc(self) -> bool:
+        """The record stores a CRC-32 of its data (False for a raw safetensors range)."""
+        return not (self.chunk.storage is not None and self.chunk.storage.raw)
 
 
 class CheckpointReader:
@@ -74,6 +83,8 @@ class CheckpointReader:
             raise CorruptCheckpointError(
                 f"{self.storage.url}: {t.fqn} chunk at {list(chunk.offsets)} has no storage entry",
                 path=self.storage.url, hint="Run 'ckptool validate' for details")
+        if chunk.storage.raw:
+            return ChunkBytes(chunk, raw_location(t, chunk), self.reader(chunk.storage.relative_path))
         rec = self.record(chunk.storage, t.fqn)
         loc = rec.tensor()
         if loc.dtype != t.dtype or loc.shape != chunk.sizes:
@@ -106,6 +117,23 @@ class CheckpointReader:
             raise CorruptCheckpointError(f"{self.storage.url}: {fqn} is cut short",
                                          path=self.storage.url)
         return data
+
+
+def raw_location(t: TensorEntry, chunk: Chunk) -> TensorLocation:
+    """A raw range (``StorageRef.raw``) as a contiguous location of exactly the chunk's bytes.
+
+    Its ``entry.crc`` is 0 and means nothing: check ``ChunkBytes.has_crc`` first.
+    """
+    ref = chunk.storage
+    assert ref is not None and ref.raw
+    nbytes = chunk.numel * t.dtype.itemsize
+    if ref.length != nbytes:
+        raise CorruptCheckpointError(
+            f"{ref.relative_path}: {t.fqn} chunk at {list(chunk.offsets)} spans {ref.length} "
+            f"bytes, its shape {list(chunk.sizes)} of {t.dtype} needs {nbytes}", path=ref.relative_path)
+    entry = ZipEntry(name=ref.relative_path, method=0, crc=0, size=nbytes, header_offset=0)
+    return TensorLocation(t.dtype, chunk.sizes, contiguous_strides(chunk.sizes), 0, chunk.numel,
+                          ref.offset, entry)
 
 
 def _gather_strided(cb: ChunkBytes) -> bytes:

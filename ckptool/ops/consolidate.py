@@ -37,6 +37,7 @@ from ckptool.format.layout import CheckpointDir, resolve_checkpoint, step_of
 from ckptool.format.manifest import Manifest, read_manifest
 from ckptool.format.metadata import CheckpointMetadata, Chunk, TensorEntry
 from ckptool.format.state_layout import StateLayout, read_layout
+from ckptool.ops import hf_assets as hf_assets_mod
 from ckptool.format.items import crc32
 from ckptool.format.reader import ChunkBytes, CheckpointReader, rowmajor
 from ckptool.format.safetensors_writer import (CASTABLE, INDEX_NAME, FileLayout, OutputFile,
@@ -65,6 +66,8 @@ class ConsolidateResult:
         verified: the output was re-read and matched the source checksums.
         note: how the model's keys were found when another reading was possible (say it).
         removed: files of an earlier export that ``force`` replaced or deleted.
+        assets: ``config.json``, tokenizer and other asset files written beside the weights.
+        tied: the input embedding ``lm_head.weight`` was found tied to (and left out), if any.
     """
 
     source: str
@@ -79,6 +82,8 @@ class ConsolidateResult:
     verified: bool
     note: str | None = None
     removed: tuple[str, ...] = ()
+    assets: tuple[str, ...] = ()
+    tied: str | None = None
 
 
 @dataclass(frozen=True)
@@ -96,7 +101,8 @@ def consolidate(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
                 dtype: str | None = None, max_shard_size: int | None = None,
                 include: Iterable[str] = (), exclude: Iterable[str] = (),
                 keep_prefix: bool = False, model_key: str | None = None,
-                keep_wrappers: bool = False, force: bool = False, verify: bool = False,
+                keep_wrappers: bool = False, hf_assets: str | os.PathLike[str] | None = None,
+                force: bool = False, verify: bool = False,
                 check_crc: bool = True, workers: int | None = None,
                 progress: Progress | None = None) -> ConsolidateResult:
     """Write a checkpoint's model weights as safetensors, streaming chunk bytes.
@@ -118,6 +124,9 @@ def consolidate(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
         model_key: the model's sub-tree by hand, dotted (``app.model``); default: found from
             the checkpoint's records (``format/state_layout.py``).
         keep_wrappers: keep ``_orig_mod.``, ``_checkpoint_wrapped_module.``, ... in names.
+        hf_assets: a Hugging Face model folder whose ``config.json``, generation config and
+            tokenizer files go beside the weights (default: those the checkpoint's manifest
+            records, e.g. from ``ckptool import``). Folder OUTPUT only.
         force: replace an existing ``.safetensors`` file, or the weight files
             (``model*.safetensors`` and the index) of a non-empty folder; other files there are
             kept. Without it an existing output is an error and nothing is touched.
@@ -156,13 +165,21 @@ def consolidate(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
     layout = read_layout(meta, model_key=model_key, keep_wrappers=keep_wrappers,
                          ckptool_manifest=man is not None, where=ckpt.url)
     selected = _select(meta, layout, include, exclude, keep_prefix, ckpt.url)
+    storage = ckpt.part(ckpt.model_part)
+    assets = hf_assets_mod.collect(storage, man, hf_assets)
+    if single and hf_assets is not None:
+        raise ConfigError("--hf-assets needs a folder OUTPUT (from_pretrained loads a folder)",
+                          hint=f"Give a folder instead of {dst.name}")
+    tied = None
+    if not single and not keep_prefix:
+        with CheckpointReader(storage, meta) as ck:
+            selected, tied = hf_assets_mod.untie(ck, selected, hf_assets_mod.config_of(assets))
     specs = [TensorSpec(name, _out_dtype(t.dtype, cast), t.shape) for t, name in selected]
     groups = [specs] if single else split_shards(specs, max_shard_size or DEFAULT_MAX_SHARD)
     names = [dst.name] if single else shard_filenames(len(groups))
     header_meta = _provenance(ckpt, meta, man, cast)
     layouts = [plan_file(n, g, header_meta) for n, g in zip(names, groups)]
     pieces, whole = _plan_copies(selected, layouts, cast)
-    storage = ckpt.part(ckpt.model_part)
     nworkers = workers or (2 if storage.is_local else 1)
     inline = cast is not None or verify or not storage.is_local
     staged = StagedOutput(dst, single=single, replace=force)
@@ -172,17 +189,26 @@ def consolidate(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
         copier.run(paths, layouts, pieces, whole, nworkers, progress)
         if len(layouts) > 1:
             (out_dir / INDEX_NAME).write_bytes(index_json(layouts))
+        for name, data in assets.items() if not single else ():
+            (out_dir / name).write_bytes(data)
         for out in copier.outs if verify else ():
             out.verify()
     files = [dst] if single else [dst / lay.filename for lay in layouts]
     files += [dst / INDEX_NAME] if len(layouts) > 1 else []
+    files += [dst / name for name in sorted(assets)] if not single else []
+    note = layout.note
+    if single and assets:
+        note = "; ".join(filter(None, [note, "the checkpoint knows its config.json and tokenizer "
+                                       "files: give a folder OUTPUT to write them beside the "
+                                       "weights (from_pretrained loads a folder)"]))
     return ConsolidateResult(
         source=storage.url, destination=str(dst), files=tuple(map(str, files)),
         tensors=len(specs), bytes=sum(lay.data_bytes for lay in layouts),
         seconds=time.perf_counter() - t0, step=_int_or_none(header_meta.get("source_step")),
         world_size=meta.world_size,
-        dtype=cast.name if cast else None, verified=verify, note=layout.note,
-        removed=tuple(staged.removed))
+        dtype=cast.name if cast else None, verified=verify, note=note,
+        removed=tuple(staged.removed), assets=tuple(sorted(assets)) if not single else (),
+        tied=tied)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -389,6 +415,8 @@ class _Copier:
         buf = bytearray(BLOCK)
         for p in pieces:
             cb = self.ck.locate(p.tensor, p.chunk)
+            if not cb.has_crc:  # a safetensors range: no checksum to check
+                continue
             loc, crc = cb.location, 0
             for pos in range(loc.data_offset, loc.data_offset + loc.entry.size, BLOCK):
                 n = self._pread(cb, buf, pos, min(BLOCK, loc.data_offset + loc.entry.size - pos))
@@ -401,7 +429,7 @@ class _Copier:
     def _stream(self, p: _Piece, cb: ChunkBytes, buf: bytearray) -> None:
         """Read the record's storage in blocks: CRC all of it, cast and write the chunk's part."""
         loc = cb.location
-        check = self.check_crc and self.inline
+        check = self.check_crc and self.inline and cb.has_crc
         lo, hi = (loc.data_offset, loc.data_offset + loc.entry.size) if check \
             else (loc.start, loc.start + loc.nbytes)
         crc, num, den = 0, p.out_dtype.itemsize, loc.dtype.itemsize
@@ -443,7 +471,7 @@ class _Copier:
         loc = cb.location
         raw = bytearray(loc.entry.size)
         self._pread(cb, raw, loc.data_offset, loc.entry.size)
-        if self.check_crc and crc32(raw) != loc.entry.crc:
+        if self.check_crc and cb.has_crc and crc32(raw) != loc.entry.crc:
             raise self._damaged(p, cb, "CRC-32 mismatch")
         first = memoryview(raw)[loc.storage_offset * loc.dtype.itemsize:]
         return cast_bytes(memoryview(rowmajor(first, loc)), loc.dtype, p.out_dtype)

@@ -86,7 +86,8 @@ def reshard(src: str | os.PathLike[str], dst: str | os.PathLike[str] | None = No
     are not FSDP2 row blocks); it does not grow with the model.
 
     Args:
-        src: a committed DCP checkpoint folder (``step_N``, ``step-N`` or plain), local or URL.
+        src: a committed DCP checkpoint folder (``step_N``, ``step-N`` or plain; also DCP's
+            safetensors storage, whose ranges are copied as they are), local or URL.
         dst: a local folder to create; default: beside ``src``, named ``<src>-ws<world_size>``.
         world_size: ranks of the new layout (1 gives a single-file checkpoint).
         expect_from: if given, the rank count ``src`` must have been saved with.
@@ -148,7 +149,7 @@ def _open_source(src: str | os.PathLike[str]) -> tuple[CheckpointDir, Checkpoint
     from ckptool.ops.validate import require_valid
 
     ckpt = resolve_checkpoint(src)
-    if ckpt.kind != "dcp":
+    if ckpt.kind == "accelerate":
         raise IncompatibleCheckpointError(
             f"{ckpt.url} is Accelerate save_state output with parts {list(ckpt.parts)}",
             path=ckpt.url, hint=f"Reshard each part on its own, e.g. 'ckptool reshard "
@@ -360,6 +361,9 @@ class _Source:
                 continue
             cb = self.locate(t, c)
             loc = cb.location
+            if not cb.has_crc:  # a safetensors range: the bytes as they are, nothing to check
+                yield _Range(None, cb.reader, cb.start + (a - c0) * row, (a - c0) * row, (b - a) * row)
+                continue
             if not loc.contiguous:
                 self.whole_check.add((t.fqn, c.offsets))
                 yield memoryview(self.ck.read_chunk(t, c))[(a - c0) * row:(b - c0) * row]
@@ -393,7 +397,7 @@ class _Source:
                     hint="Nothing was written; use an earlier checkpoint")
         for fqn, offsets in sorted(self.whole_check):
             chunk = _chunk_at(self.ck.meta.tensors[fqn], offsets)
-            if chunk.numel:
+            if chunk.numel and not chunk.storage.raw:  # type: ignore[union-attr]
                 self.ck.record(chunk.storage, fqn).verify_crc()  # type: ignore[arg-type]
 
 
@@ -549,8 +553,10 @@ def _tensor_crc(src: _Source, t: TensorEntry) -> tuple[int, int] | None:
         return None
     crc = size = 0
     for c in blocks:
-        loc = src.locate(t, c).location
-        if not (loc.contiguous and loc.storage_offset == 0 and loc.entry.size == loc.nbytes):
+        cb = src.locate(t, c)
+        loc = cb.location
+        if not (cb.has_crc and loc.contiguous and loc.storage_offset == 0
+                and loc.entry.size == loc.nbytes):
             return None
         crc, size = crc32_combine(crc, loc.entry.crc, loc.entry.size), size + loc.entry.size
     return crc, size

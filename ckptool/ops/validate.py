@@ -4,6 +4,11 @@
 ``Report`` (``report.ok`` is False when any has severity "error"). Structural checks read only
 ``.metadata`` and stat the files; ``deep=True`` also reads every item record, checks it parses
 to the declared dtype and shape, and verifies every CRC-32 (and the manifest's checksums).
+
+A safetensors checkpoint of DCP's ``HuggingFaceStorageWriter`` (no ``.metadata``) is checked
+from its index and headers (``format/safetensors_source.py``): the same geometry and file
+checks, and ``deep=True`` reads every byte. Its files carry no checksum, and the report says
+so (a "note" finding).
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ from ckptool.format import manifest as mf
 from ckptool.format.items import RecordReader, RecordTemplate, TensorLocation
 from ckptool.format.layout import CheckpointDir, resolve_checkpoint
 from ckptool.format.metadata import CheckpointMetadata, StorageRef, TensorEntry, read_metadata
-from ckptool.storage import Storage
+from ckptool.format import safetensors_source as sts
+from ckptool.format.reader import CheckpointReader
+from ckptool.storage import BLOCK, RangeReader, Storage
 
 MAX_GRID_CELLS = 1 << 20
 #: --deep reads records up to this size in one call (fewer syscalls for many small tensors).
@@ -39,7 +46,7 @@ MAX_TEMPLATES = 16
 class Finding:
     """One problem. ``code`` is stable (for scripts); ``message`` is for people."""
 
-    severity: str  # "error" | "warning"
+    severity: str  # "error" | "warning" | "note" (a fact worth knowing, not a problem)
     code: str
     message: str
     path: str | None = None
@@ -157,6 +164,7 @@ class _PartCheck:
         self.total_bytes = 0
         self.nfiles = 0
         self.sizes: dict[str, int] = {}
+        self.found: sts.Found | None = None  # a safetensors checkpoint's layout
 
     def add(self, code: str, message: str, *, fqn: str | None = None, rel: str | None = None,
             severity: str = "error") -> None:
@@ -168,7 +176,12 @@ class _PartCheck:
         self.sizes = {e.name: e.size for e in entries if not e.is_dir}
         self.total_bytes = sum(self.sizes.values())
         self.nfiles = len(self.sizes)
+        found = None
         if ".metadata" not in self.sizes and not any(e.name == ".metadata" for e in entries):
+            found = sts.find_layout(self.st, entries)
+        if found is not None:
+            self._read_safetensors(found)
+        elif ".metadata" not in self.sizes and not any(e.name == ".metadata" for e in entries):
             n = sum(1 for name in self.sizes if name.endswith(".distcp"))
             if not entries:
                 self.add("empty", f"{self.st.url} is empty: it holds no checkpoint (no .metadata, "
@@ -177,14 +190,19 @@ class _PartCheck:
             self.add("incomplete", f"no .metadata in {self.st.url}: the save was interrupted "
                      f"({n} .distcp files present); resume from an earlier checkpoint")
             return
-        try:
-            self.meta = read_metadata(self.st)
-        except CkptError as e:
-            code = "unsafe-pickle" if "refused" in str(e) else "bad-metadata"
-            self.add(code, str(e), rel=".metadata")
+        else:
+            try:
+                self.meta = read_metadata(self.st)
+            except CkptError as e:
+                code = "unsafe-pickle" if "refused" in str(e) else "bad-metadata"
+                self.add(code, str(e), rel=".metadata")
+                return
+        if self.meta is None:
             return
         self.world_size = self.meta.world_size
         self._check_files()
+        if found is not None:  # its files may sit in sharded/
+            self.total_bytes, self.nfiles = sum(self.sizes.values()), len(self.sizes)
         for t in self.meta.tensors.values():
             self._check_geometry(t)
         for o in self.meta.objects.values():
@@ -193,6 +211,23 @@ class _PartCheck:
         self._check_manifest()
         if self.deep and self.meta is not None:
             self._deep()
+
+    def _read_safetensors(self, found: sts.Found) -> None:
+        """The index of a safetensors checkpoint, or its first problem as a finding."""
+        self.found = found
+        try:
+            self.meta = sts.read_index(self.st, found)
+        except CkptError as e:
+            self.add(getattr(e, "code", "bad-index"), str(e))
+            return
+        self.add("no-checksum", sts.NO_CHECKSUM if self.deep else "safetensors files carry no "
+                 "checksum: damaged values cannot be detected; --deep reads every byte",
+                 severity="note")
+        if found.mode == "sharded":
+            self.add("inferred-shapes", "save_distributed shards without a consolidated copy: "
+                     "DCP records no global shapes or rank count there, so shapes are the extent "
+                     "of the shards found (a missing last rank could not be noticed)",
+                     severity="note")
 
     # -- files --------------------------------------------------------------------------------
     def _check_files(self) -> None:
@@ -306,6 +341,25 @@ class _PartCheck:
                 self.findings.extend(found)
         if self.manifest is not None:
             self._deep_manifest()
+        if self.found is not None and self.found.copy and self.ok_so_far():
+            self._deep_copy()
+
+    def ok_so_far(self) -> bool:
+        return not any(f.severity == "error" for f in self.findings)
+
+    def _deep_copy(self) -> None:
+        """The consolidated copy beside ``sharded/`` must hold the bytes of the saved shards."""
+        assert self.meta is not None and self.found is not None
+        copy = sts.read_copy(self.st, self.found)
+        with CheckpointReader(self.st, self.meta) as ck:
+            for name, t in self.meta.tensors.items():
+                rel, c = copy[name]
+                if _copy_differs(ck, t, ck.reader(rel), c.start):
+                    why = " (torch's consolidation writes a 0-dim tensor as zeros)" if not t.shape else ""
+                    self.add("copy-differs", f"{rel} holds {name} with other values than the "
+                             f"shards DCP saved in {sts.SHARDED_DIR}/{why}; ckptool reads the "
+                             "shards, but loading this folder's consolidated files gives wrong "
+                             "values", fqn=name, rel=rel, severity="warning")
 
     def _deep_file(self, rel: str, refs: list[tuple[StorageRef, str]]) -> list[Finding]:
         assert self.meta is not None
@@ -316,6 +370,9 @@ class _PartCheck:
             for ref, fqn in sorted(refs, key=lambda r: r[0].offset):
                 if ref.offset + ref.length > size:
                     continue  # already reported as truncated
+                if ref.raw:
+                    found += self._deep_raw(reader, rel, ref, fqn)
+                    continue
                 try:
                     tpl = templates.get(ref.length) if fqn in self.meta.tensors else None
                     if tpl is not None:  # the fast path: same layout as a verified record
@@ -343,6 +400,19 @@ class _PartCheck:
                     code = "unsafe-pickle" if "possibly malicious" in str(e) else code
                     found.append(Finding("error", code, str(e), self.st.url_of(rel), fqn))
         return found
+
+    def _deep_raw(self, reader: RangeReader, rel: str, ref: StorageRef, fqn: str) -> list[Finding]:
+        """A safetensors range has no checksum: check every byte of it can be read."""
+        pos, end = ref.offset, ref.offset + ref.length
+        while pos < end:
+            n = min(BLOCK, end - pos)
+            got = len(reader.pread(pos, n))
+            if got != n:
+                return [Finding("error", "truncated-file", f"{self.st.url_of(rel)} (tensor {fqn}) "
+                                f"ends at byte {pos + got}, its data needs bytes up to {end}",
+                                self.st.url_of(rel), fqn)]
+            pos += n
+        return []
 
     def _compare(self, rec: RecordReader, fqn: str, ref: StorageRef) -> TensorLocation:
         loc = rec.tensor()
@@ -373,6 +443,30 @@ class _PartCheck:
                 self.add("manifest-checksum", f"{rel} does not match the checksum in "
                          f"{mf.MANIFEST} ({mf.CHECKSUM} {got} != {want}): the bytes changed "
                          "after the save", rel=rel)
+
+
+def _copy_differs(ck: CheckpointReader, t: TensorEntry, copy: RangeReader, start: int) -> bool:
+    """Do the row-major bytes of ``t`` differ from ``copy``'s bytes at ``start``?"""
+    blocks = t.row_blocks()
+    if blocks is None:  # any other chunk layout: assemble the tensor (memory: one tensor)
+        import numpy as np
+
+        item = np.dtype(f"V{t.dtype.itemsize}")
+        full = np.zeros(t.shape, item)
+        for c in t.chunks:
+            if c.numel:
+                idx = tuple(slice(o, o + n) for o, n in zip(c.offsets, c.sizes))
+                full[idx] = np.frombuffer(ck.read_chunk(t, c), item).reshape(c.sizes)
+        return copy.pread(start, t.nbytes) != full.tobytes()
+    row = math.prod(t.shape[1:]) * t.dtype.itemsize
+    for c in blocks:
+        cb = ck.locate(t, c)
+        base = start + (c.offsets[0] if c.offsets else 0) * row
+        for pos in range(0, cb.nbytes, BLOCK):
+            n = min(BLOCK, cb.nbytes - pos)
+            if cb.reader.pread(cb.start + pos, n) != copy.pread(base + pos, n):
+                return True
+    return False
 
 
 def _refs(meta: CheckpointMetadata) -> list[tuple[str, StorageRef]]:

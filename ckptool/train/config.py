@@ -92,6 +92,9 @@ class TrainConfig:
     """Continue from the latest valid checkpoint in ``out``; False refuses a non-empty ``out``."""
     resume_from: str | None = None
     """Resume from this checkpoint folder instead of the latest one."""
+    init_from: str | None = None
+    """A fresh run starts from these model weights: a DCP checkpoint (``model.*`` keys) or a
+    Hugging Face safetensors model (``Checkpointer.load_pretrained``); unused when resuming."""
     log_every: int = 10
     """Report progress every this many steps."""
     data: str | None = None

@@ -268,6 +268,8 @@ def train(cfg: TrainConfig, *, on_event: Callable[[Any], None] | None = None) ->
     run = setup(cfg)
     try:
         resumed = _resume(run)
+        if resumed is None and run.cfg.init_from is not None:  # weights only, then a fresh run
+            run.ckpt.load_pretrained(run.model, run.cfg.init_from)
         start = run.state.step
         emit(RunStarted(ws, str(run.device), run.precision, cfg.sharding, cfg.model_config().num_params(),
                         start, cfg.steps, resumed))

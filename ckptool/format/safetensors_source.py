@@ -1,0 +1,428 @@
+"""DCP's safetensors-backed checkpoints as a ckptool index, read as untrusted data (torch-free).
+
+``torch.distributed.checkpoint.HuggingFaceStorageWriter`` (and torchtitan's final save with
+``last_save_in_hf``, which uses it) writes no ``.metadata``. What it writes, by mode:
+
+* rank 0 alone (``save_distributed=False``): ``model-0000i-of-0000N.safetensors`` plus
+  ``model.safetensors.index.json`` (written last, by ``finish``);
+* ``save_distributed=True``: every rank writes ``shard-0000R-model-0000i-of-0000N.safetensors``
+  (R = rank + 1), each header's ``__metadata__["DCP_SHARDING_INFO"]`` holding the chunk's
+  ``saved_offsets`` in the global tensor; nothing says how many ranks there were or the
+  global shape (it is the largest ``offset + size``), and no index is written;
+* with ``enable_consolidation=True`` (or torchtitan's ``consolidate_safetensors_files_on_every_rank``)
+  those shards go to ``sharded/`` and whole tensors to ``model-0000i-of-0000N.safetensors``
+  (no ``__metadata__``) beside the ``model.safetensors.index.json``, written last.
+
+``find_layout`` says which files make the checkpoint and whether it is committed (used by
+``layout.classify``); ``read_index`` turns it into ``CheckpointMetadata``: one chunk per
+tensor of a consolidated or rank-0 file, one chunk per shard of a ``save_distributed`` save.
+Every ``StorageRef`` is ``raw``: the exact byte range of the tensor's row-major data in its
+file, with no record around it and no checksum. Names are the saved names; ``planner_data``
+records each as a top-level key (``{name: (name,)}``).
+
+Every header is bounds-checked before its data is used: header length inside the file, a JSON
+object of known dtypes, ``data_offsets`` consistent with shape x itemsize and inside the file,
+no two tensors overlapping; index entries are path-checked (relative, no ``..``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+from ckptool.errors import CkptError, CorruptCheckpointError, IncompleteCheckpointError
+from ckptool.format.dtypes import BY_SAFETENSORS, DType
+from ckptool.format.metadata import MAX_NDIM, CheckpointMetadata, Chunk, StorageRef, TensorEntry
+from ckptool.storage import Entry, Storage
+
+INDEX_NAME = "model.safetensors.index.json"
+SHARDED_DIR = "sharded"
+SUFFIX = ".safetensors"
+#: safetensors' own limit on the header (100 MB).
+MAX_HEADER = 100_000_000
+MAX_INDEX_BYTES = 100_000_000
+SHARDING_INFO = "DCP_SHARDING_INFO"
+_SHARD_RE = re.compile(r"shard-(\d+)-model-(\d+)-of-(\d+)\.safetensors")
+NO_CHECKSUM = ("safetensors files carry no checksum: --deep checked the headers, bounds, "
+               "coverage, the index and that every byte is readable, not the values themselves")
+
+
+class SourceError(CorruptCheckpointError):
+    """A problem with a safetensors checkpoint; ``code`` is the validate finding code."""
+
+    def __init__(self, code: str, message: str, *, path: str | None = None,
+                 hint: str | None = None) -> None:
+        super().__init__(message, path=path, hint=hint)
+        self.code = code
+
+
+class SourceIncomplete(IncompleteCheckpointError):
+    code = "incomplete"
+
+
+# ---------------------------------------------------------------------------------------------
+# One file's header
+
+
+@dataclass(frozen=True)
+class HeaderTensor:
+    """One tensor of a safetensors file: ``nbytes`` at absolute byte ``start`` of the file."""
+
+    name: str
+    dtype: DType
+    shape: tuple[int, ...]
+    start: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Header:
+    """A checked safetensors header: tensors in data order, ``__metadata__``, the file size."""
+
+    rel: str
+    tensors: dict[str, HeaderTensor]
+    metadata: dict[str, str]
+    header_bytes: int
+    size: int
+
+
+def read_header(storage: Storage, rel: str, *, size: int | None = None) -> Header:
+    """Read and check the header of ``rel`` against the file's size (no tensor data is read).
+
+    Raises:
+        SourceError: the file is too short, the header does not fit, is not a JSON object of
+            known dtypes, or a tensor's ``data_offsets`` disagree with its shape, lie past the
+            end of the file or overlap another tensor.
+    """
+    where = storage.url_of(rel)
+    size = storage.size(rel) if size is None else size
+
+    def bad(code: str, what: str) -> SourceError:
+        return SourceError(code, f"{where}: {what}", path=where,
+                           hint="The file is damaged or was not written completely")
+
+    if size < 8:
+        raise bad("truncated-file", f"{size} bytes, too short for a safetensors file")
+    prefix = storage.read_range(rel, 0, 8)
+    (n,) = struct.unpack("<Q", prefix)
+    if n > MAX_HEADER or 8 + n > size:
+        raise bad("bad-header" if n > MAX_HEADER else "truncated-file",
+                  f"header length {n} does not fit the file ({size} bytes)")
+    try:
+        header = json.loads(storage.read_range(rel, 8, n))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad("bad-header", f"header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise bad("bad-header", "header is not a JSON object")
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise bad("bad-header", "__metadata__ is not a map of strings")
+    start, data = 8 + n, size - 8 - n
+    tensors = [_entry(name, info, start, data, bad) for name, info in header.items()]
+    tensors.sort(key=lambda t: (t.start, t.nbytes))
+    end = start
+    for t in tensors:
+        if t.start < end and t.nbytes:
+            raise bad("record-overlap", f"tensor {t.name} overlaps the tensor before it")
+        end = max(end, t.start + t.nbytes)
+    return Header(rel, {t.name: t for t in tensors}, meta, start, size)
+
+
+def _entry(name: str, info: Any, start: int, data: int, bad: Any) -> HeaderTensor:
+    if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+        raise bad("bad-header", f"tensor {name!r} is not a {{dtype, shape, data_offsets}} entry")
+    dtype = BY_SAFETENSORS.get(info["dtype"]) if isinstance(info["dtype"], str) else None
+    if dtype is None:
+        raise bad("bad-header", f"tensor {name!r} has unknown dtype {info['dtype']!r}")
+    shape, offs = info["shape"], info["data_offsets"]
+    if (not isinstance(shape, list) or len(shape) > MAX_NDIM
+            or not all(type(d) is int and d >= 0 for d in shape)):
+        raise bad("bad-header", f"tensor {name!r} has a bad shape {shape!r}")
+    if (not isinstance(offs, list) or len(offs) != 2 or not all(type(o) is int for o in offs)
+            or not 0 <= offs[0] <= offs[1]):
+        raise bad("bad-header", f"tensor {name!r} has bad data_offsets {offs!r}")
+    if offs[1] > data:
+        raise bad("truncated-file", f"tensor {name!r} ends at data byte {offs[1]}, past the end "
+                  f"of the file ({data} data bytes): the file is truncated or its header lies")
+    nbytes = math.prod(shape) * dtype.itemsize
+    if offs[1] - offs[0] != nbytes:
+        raise bad("bad-header", f"tensor {name!r} spans {offs[1] - offs[0]} bytes but shape "
+                  f"{shape} of {dtype} needs {nbytes}")
+    return HeaderTensor(name, dtype, tuple(shape), start + offs[0], nbytes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Which files make the checkpoint
+
+
+@dataclass(frozen=True)
+class Found:
+    """What a folder holds.
+
+    Attributes:
+        mode: ``"index"`` (files named by ``model.safetensors.index.json``), ``"single"`` (one
+            ``.safetensors`` file, no index) or ``"sharded"`` (``save_distributed`` shards,
+            merged, beside the save or in ``sharded/``).
+        files: the files to read, relative to the folder.
+        committed: the checkpoint is whole as far as its files can tell.
+        reason: why it is not committed (a sentence), else None.
+        code: the ``validate`` finding code for ``reason`` (``"incomplete"`` when the save
+            did not finish, else the problem found).
+        copy: the consolidated files named by the index when ``sharded/`` holds the shards
+            they were made from. The shards are read (they are what DCP saved; torch 2.13's
+            consolidation writes a 0-dim tensor as zeros); the copy must agree with them.
+    """
+
+    mode: str
+    files: tuple[str, ...]
+    committed: bool
+    reason: str | None = None
+    code: str | None = None
+    copy: tuple[str, ...] = ()
+
+
+def _failed(mode: str, files: Any, e: CkptError) -> Found:
+    return Found(mode, tuple(files), False, str(e), getattr(e, "code", "bad-header"))
+
+
+def find_layout(storage: Storage, entries: list[Entry] | None = None) -> Found | None:
+    """Describe ``storage`` as a DCP safetensors checkpoint, or None if it holds none.
+
+    Committed: the index parses and every file it names exists (the index is written last);
+    without an index, one file whose header is well-formed, or ``save_distributed`` shards
+    whose headers are all well-formed and fit their files, from ranks 1..R without a gap.
+    """
+    if entries is None:
+        entries = storage.listdir()
+    files = {e.name: e for e in entries if not e.is_dir}
+    dirs = {e.name for e in entries if e.is_dir}
+    if INDEX_NAME in files:
+        try:
+            names = sorted(set(_weight_map(storage).values()))
+        except CkptError as e:
+            return _failed("index", (), e)
+        missing = [n for n in names if n not in files and not storage.isfile(n)]
+        shards = _sharded_dir(storage, dirs)
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            return Found("index", tuple(names), False, f"{storage.url_of(missing[0])} is missing "
+                         f"(named by {INDEX_NAME}){more}; the checkpoint cannot be loaded without "
+                         "it", "missing-file")
+        if shards:  # read what DCP saved; the consolidated copy is checked against it
+            return Found("sharded", tuple(shards), True, copy=tuple(names))
+        return Found("index", tuple(names), True)
+    top = sorted(n for n in files if n.endswith(SUFFIX))
+    shards = [n for n in top if _SHARD_RE.fullmatch(n)] or _sharded_dir(storage, dirs)
+    if shards:
+        return _shards_whole(storage, shards)
+    if len(top) == 1:
+        try:
+            read_header(storage, top[0], size=files[top[0]].size)
+        except CkptError as e:
+            return _failed("single", top, e)
+        return Found("single", tuple(top), True)
+    if top:
+        return Found("index", tuple(top), False, f"{storage.url} is incomplete: {len(top)} "
+                     f".safetensors files and no {INDEX_NAME} (DCP writes the index last: the "
+                     "save was interrupted)", "incomplete")
+    return None
+
+
+def _sharded_dir(storage: Storage, dirs: set[str]) -> list[str]:
+    if SHARDED_DIR not in dirs:
+        return []
+    return sorted(f"{SHARDED_DIR}/{e.name}" for e in storage.listdir(SHARDED_DIR)
+                  if not e.is_dir and _SHARD_RE.fullmatch(e.name))
+
+
+def _shards_whole(storage: Storage, shards: list[str]) -> Found:
+    ranks = sorted({int(_SHARD_RE.fullmatch(s.rsplit("/", 1)[-1]).group(1)) for s in shards})  # type: ignore[union-attr]
+    gap = next((r for r in range(1, ranks[-1] + 1) if r not in ranks), None)
+    if gap is not None:
+        return Found("sharded", tuple(shards), False, f"{storage.url} is incomplete: no shard of "
+                     f"rank {gap - 1} (shard-{gap:05d}-*) while rank {ranks[-1] - 1} wrote one",
+                     "incomplete")
+    for rel in shards:
+        try:
+            read_header(storage, rel)
+        except CkptError as e:
+            return _failed("sharded", shards, e)
+    return Found("sharded", tuple(shards), True)
+
+
+def _weight_map(storage: Storage) -> dict[str, str]:
+    where = storage.url_of(INDEX_NAME)
+    size = storage.size(INDEX_NAME)
+    if size > MAX_INDEX_BYTES:
+        raise SourceError("bad-index", f"{where} is {size} bytes, too large for an index", path=where)
+    try:
+        obj = json.loads(storage.read_bytes(INDEX_NAME))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise SourceError("bad-index", f"{where} is not valid JSON ({e}); DCP writes it last, so "
+                          "the save was interrupted or the file is damaged", path=where) from None
+    wm = obj.get("weight_map") if isinstance(obj, dict) else None
+    if not isinstance(wm, dict) or not wm or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
+        raise SourceError("bad-index", f"{where} has no weight_map of tensor name -> file name",
+                          path=where)
+    for name in set(wm.values()):
+        problem = _unsafe_name(name)
+        if problem:
+            raise SourceError("path-outside", f"{where} names {name!r}, {problem}; refusing to "
+                              "read it (possibly malicious)", path=where)
+        if not storage.realpath_inside(name):
+            raise SourceError("path-outside", f"{where} names {name!r}, a symlink leading out of "
+                              "the checkpoint folder; refusing to read it", path=where)
+    return wm
+
+
+def _unsafe_name(name: str) -> str | None:
+    parts = name.replace("\\", "/").split("/")
+    if not name.endswith(SUFFIX):
+        return "not a .safetensors file"
+    if name.startswith(("/", "\\")) or (len(name) > 1 and name[1] == ":"):
+        return "an absolute path"
+    if ".." in parts or "\x00" in name or any(p in ("", ".") for p in parts):
+        return "a path leading out of the checkpoint folder"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The index
+
+
+def read_index(storage: Storage, found: Found | None = None) -> CheckpointMetadata:
+    """The ckptool index of a DCP safetensors checkpoint folder.
+
+    Raises:
+        IncompleteCheckpointError: not committed (``SourceIncomplete``; the message says why).
+        SourceError: a damaged header, a missing file, or index and files that disagree
+            (``code`` names the problem as ``validate`` reports it).
+    """
+    found = found if found is not None else find_layout(storage)
+    if found is None:
+        raise SourceIncomplete(f"{storage.url} holds no safetensors checkpoint", path=storage.url)
+    if not found.committed:
+        what = found.reason or f"{storage.url} is not complete"
+        if found.code == "incomplete":
+            raise SourceIncomplete(what, path=storage.url, hint="Use an earlier checkpoint "
+                                   "('ckptool ls' shows the latest good one)")
+        raise SourceError(found.code or "bad-header", what, path=storage.url)
+    headers, tensors = _collect(storage, found.files, sharded=found.mode == "sharded")
+    if found.mode == "index":
+        _check_weight_map(storage, tensors)
+    entries = {name: _tensor_entry(storage, name, parts) for name, parts in tensors.items()}
+    if found.copy:
+        _check_copy(storage, entries, read_copy(storage, found))
+    nbytes = sum(h.header_bytes for h in headers)
+    return CheckpointMetadata(tensors=entries, objects={},
+                              planner_data={name: (name,) for name in entries},
+                              metadata_bytes=nbytes, storage_format="safetensors")
+
+
+def read_copy(storage: Storage, found: Found) -> dict[str, tuple[str, HeaderTensor]]:
+    """The consolidated copy beside ``sharded/`` (``found.copy``): name -> (file, tensor)."""
+    _, tensors = _collect(storage, found.copy, sharded=False)
+    _check_weight_map(storage, tensors)
+    return {name: (parts[0][2], parts[0][0]) for name, parts in tensors.items()}
+
+
+def _collect(storage: Storage, rels: tuple[str, ...], *, sharded: bool
+             ) -> tuple[list[Header], dict[str, list[tuple[HeaderTensor, tuple[int, ...], str]]]]:
+    headers = [read_header(storage, rel) for rel in rels]
+    tensors: dict[str, list[tuple[HeaderTensor, tuple[int, ...], str]]] = {}
+    for h in headers:
+        info = _sharding_info(storage, h, required=sharded)
+        for t in h.tensors.values():
+            offsets = info.get(t.name) if info is not None else None
+            if offsets is None:
+                if sharded:
+                    raise SourceError("bad-header", f"{storage.url_of(h.rel)}: tensor {t.name} "
+                                      f"has no {SHARDING_INFO} entry", path=storage.url_of(h.rel))
+                offsets = (0,) * len(t.shape)
+            if len(offsets) != len(t.shape):
+                raise SourceError("bad-header", f"{storage.url_of(h.rel)}: tensor {t.name} has "
+                                  f"{len(t.shape)} dims but saved_offsets {list(offsets)}",
+                                  path=storage.url_of(h.rel))
+            tensors.setdefault(t.name, []).append((t, offsets, h.rel))
+    return headers, tensors
+
+
+def _check_copy(storage: Storage, entries: dict[str, TensorEntry],
+                copy: dict[str, tuple[str, HeaderTensor]]) -> None:
+    where = storage.url_of(INDEX_NAME)
+    for name in sorted(set(entries) ^ set(copy)):
+        side = "the consolidated files" if name in copy else f"the shards in {SHARDED_DIR}/"
+        raise SourceError("copy-mismatch", f"{where}: {name} is only in {side}; the consolidated "
+                          "copy and the saved shards disagree", path=where)
+    for name, t in entries.items():
+        rel, c = copy[name]
+        if c.dtype != t.dtype or c.shape != t.shape:
+            raise SourceError("copy-mismatch", f"{storage.url_of(rel)} holds {name} as {c.dtype} "
+                              f"{list(c.shape)}, the saved shards as {t.dtype} {list(t.shape)}",
+                              path=storage.url_of(rel))
+
+
+def _sharding_info(storage: Storage, h: Header, *, required: bool) -> dict[str, tuple[int, ...]] | None:
+    raw = h.metadata.get(SHARDING_INFO)
+    where = storage.url_of(h.rel)
+    if raw is None:
+        if required:
+            raise SourceError("bad-header", f"{where}: no {SHARDING_INFO} in its header, so the "
+                              "shard's place in each tensor is unknown (not written by DCP?)",
+                              path=where)
+        return None
+    try:
+        obj = json.loads(raw)
+    except ValueError as e:
+        raise SourceError("bad-header", f"{where}: {SHARDING_INFO} is not JSON ({e})",
+                          path=where) from None
+    out = {}
+    if not isinstance(obj, dict):
+        raise SourceError("bad-header", f"{where}: {SHARDING_INFO} is not an object", path=where)
+    for name, v in obj.items():
+        offs = v.get("saved_offsets") if isinstance(v, dict) else None
+        if (not isinstance(offs, list) or len(offs) > MAX_NDIM
+                or not all(type(o) is int and o >= 0 for o in offs)):
+            raise SourceError("bad-header", f"{where}: {SHARDING_INFO} of {name} has bad "
+                              f"saved_offsets {offs!r}", path=where)
+        out[name] = tuple(offs)
+    return out
+
+
+def _check_weight_map(storage: Storage, tensors: dict) -> None:
+    wm = _weight_map(storage)
+    where = storage.url_of(INDEX_NAME)
+    for name, rel in wm.items():
+        parts = tensors.get(name)
+        if not parts or all(p[2] != rel for p in parts):
+            raise SourceError("index-mismatch", f"{where} puts {name} in {rel}, but that file "
+                              "does not hold it", path=where, hint="The index and the files disagree")
+    for name, parts in tensors.items():
+        if name not in wm:
+            raise SourceError("index-mismatch", f"{storage.url_of(parts[0][2])} holds {name}, "
+                              f"which {INDEX_NAME} does not name", path=where)
+        if len(parts) > 1:
+            raise SourceError("index-mismatch", f"tensor {name} is in both {parts[0][2]} and "
+                              f"{parts[1][2]}", path=where)
+
+
+def _tensor_entry(storage: Storage, name: str,
+                  parts: list[tuple[HeaderTensor, tuple[int, ...], str]]) -> TensorEntry:
+    dtype = parts[0][0].dtype
+    ndim = len(parts[0][0].shape)
+    for t, _, rel in parts:
+        if t.dtype != dtype or len(t.shape) != ndim:
+            where = storage.url_of(rel)
+            raise SourceError("bad-header", f"{where}: shard of {name} is {t.dtype} with "
+                              f"{len(t.shape)} dims, another shard is {dtype} with {ndim}",
+                              path=where)
+    # The global shape is recorded nowhere: it is the box that holds every chunk.
+    shape = tuple(max(o[d] + t.shape[d] for t, o, _ in parts) for d in range(ndim))
+    chunks = tuple(Chunk(offsets, t.shape, StorageRef(rel, t.start, t.nbytes, raw=True))
+                   for t, offsets, rel in parts)
+    return TensorEntry(name, dtype, shape, chunks)
