@@ -23,6 +23,10 @@ from ckptool.cli._common import (byte_progress, echo_json, echo_note, human_byte
 @click.option("--keep-prefix", is_flag=True,
               help="Name tensors by their full DCP key (the 'model.' level included).")
 @model_key_options
+@click.option("--hf-assets", metavar="FOLDER", default=None,
+              help="A Hugging Face model folder whose config.json, generation config and "
+                   "tokenizer files are written beside the weights (folder OUTPUT). Default: "
+                   "those the checkpoint records (ckptool import).")
 @click.option("--force", is_flag=True,
               help="Replace an existing OUTPUT file, or the weight files of a non-empty OUTPUT "
                    "folder (model*.safetensors, index; other files are kept).")
@@ -33,7 +37,8 @@ from ckptool.cli._common import (byte_progress, echo_json, echo_note, human_byte
 @click.option("--json", "json_out", is_flag=True, help="Print a JSON summary.")
 def consolidate_cmd(checkpoint: str, output: str, dtype: str | None, max_shard_size: str | None,
                     include: tuple[str, ...], exclude: tuple[str, ...], keep_prefix: bool,
-                    model_key: str | None, keep_wrappers: bool, force: bool, verify: bool,
+                    model_key: str | None, keep_wrappers: bool, hf_assets: str | None,
+                    force: bool, verify: bool,
                     no_crc: bool, json_out: bool) -> None:
     """Write the model weights of CHECKPOINT to OUTPUT as safetensors.
 
@@ -58,9 +63,13 @@ def consolidate_cmd(checkpoint: str, output: str, dtype: str | None, max_shard_s
     with byte_progress("consolidate", progress_enabled(json_out)) as progress:
         result = consolidate(checkpoint, output, dtype=dtype, max_shard_size=limit,
                              include=include, exclude=exclude, keep_prefix=keep_prefix,
-                             model_key=model_key, keep_wrappers=keep_wrappers, force=force,
+                             model_key=model_key, keep_wrappers=keep_wrappers,
+                             hf_assets=hf_assets, force=force,
                              verify=verify, check_crc=not no_crc, progress=progress)
     echo_note(result.note)
+    if result.tied:
+        click.echo(f"lm_head.weight is tied to {result.tied} (tie_word_embeddings): written "
+                   "once, as from_pretrained expects", err=True)
     if result.removed:
         click.echo(f"replaced (--force): {', '.join(result.removed)}", err=True)
     if json_out:

@@ -358,6 +358,7 @@ def _merge_into(staging: Path, dst: Path) -> list[str]:
             removed.append(old.name)
             if old.name not in new:
                 old.unlink()
+    removed += sorted(n for n in new if n not in removed and (dst / n).exists())
     for name in sorted(new, key=lambda n: n == INDEX_NAME):
         os.replace(staging / name, dst / name)
     shutil.rmtree(staging, ignore_errors=True)

@@ -1,0 +1,123 @@
+"""Exports that load with ``from_pretrained`` as they are: config, tokenizer, tied embeddings.
+
+Real ``transformers`` models and tokenizers, real ``save_pretrained``, ``dcp.save`` and
+``ckptool import``; no file is hand-written except a config edited to lie about tying.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from click.testing import CliRunner  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from ckptool.cli import cli  # noqa: E402
+from ckptool.errors import IncompatibleCheckpointError  # noqa: E402
+from ckptool.ops.consolidate import consolidate  # noqa: E402
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+
+def _llama(tie: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                      tie_word_embeddings=tie)
+    torch.manual_seed(7 + tie)
+    return LlamaForCausalLM(cfg)
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(63)} | {"<unk>": 63}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
+def hf_model(request, tmp_path_factory):
+    """A pretrained-style folder (weights, config, generation config, tokenizer) and its
+    model-only DCP save."""
+    model = _llama(request.param)
+    root = tmp_path_factory.mktemp("hf_export")
+    model.save_pretrained(root / "pretrained")
+    _tokenizer().save_pretrained(root / "pretrained")
+    dcp.save(model.state_dict(), checkpoint_id=str(root / "dcp"))
+    return model, root
+
+
+def _assert_loads_as_is(out: Path, model) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    loaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    tied = model.config.tie_word_embeddings
+    assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == tied
+    for k, v in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok("w3 w5")["input_ids"] == [3, 5]
+
+
+def test_hf_assets_make_the_export_load_as_is(hf_model, tmp_path):
+    model, root = hf_model
+    out = tmp_path / "out"
+    r = CliRunner().invoke(cli, ["consolidate", str(root / "dcp"), str(out),
+                                 "--hf-assets", str(root / "pretrained")])
+    assert r.exit_code == 0, r.output
+    written = load_file(out / "model.safetensors")
+    tied = model.config.tie_word_embeddings
+    assert ("lm_head.weight" in written) == (not tied)  # written once when tied
+    assert ("tied to model.embed_tokens.weight" in r.output) == tied
+    for name in ("config.json", "generation_config.json", "tokenizer.json"):
+        assert (out / name).is_file(), name
+    _assert_loads_as_is(out, model)
+
+
+def test_import_then_consolidate_needs_no_manual_step(hf_model, tmp_path):
+    """import records config and tokenizer in the checkpoint; consolidate writes them back."""
+    model, root = hf_model
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    r = CliRunner().invoke(cli, ["import", str(root / "pretrained"), str(ckpt), "--ranks", "2",
+                                 "--dtype", "keep"])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(cli, ["consolidate", str(ckpt), str(out)])
+    assert r.exit_code == 0, r.output
+    _assert_loads_as_is(out, model)
+
+
+def test_config_that_lies_about_tying_is_refused(hf_model, tmp_path):
+    model, root = hf_model
+    if model.config.tie_word_embeddings:
+        pytest.skip("the untied model's head differs from its embedding")
+    liar = tmp_path / "liar"
+    liar.mkdir()
+    cfg = json.loads((root / "pretrained" / "config.json").read_text())
+    cfg["tie_word_embeddings"] = True
+    (liar / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(IncompatibleCheckpointError, match="would load a wrong head"):
+        consolidate(root / "dcp", tmp_path / "out", hf_assets=liar)
+    assert not (tmp_path / "out").exists()
+
+
+def test_single_file_output_says_where_the_assets_go(hf_model, tmp_path):
+    _, root = hf_model
+    r = CliRunner().invoke(cli, ["import", str(root / "pretrained"), str(tmp_path / "ckpt"),
+                                 "--ranks", "1"])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(cli, ["consolidate", str(tmp_path / "ckpt"),
+                                 str(tmp_path / "m.safetensors")])
+    assert r.exit_code == 0, r.output
+    assert "give a folder OUTPUT" in r.output
