@@ -137,3 +137,30 @@ def test_fsdp2_loads_import_exactly(imported, ws, tmp_path):
         assert (o.dtype, o.shape) == (t.dtype, t.shape), fqn
         assert [(c.offsets, c.sizes, c.storage.relative_path) for c in o.chunks] == \
             [(c.offsets, c.sizes, c.storage.relative_path) for c in t.chunks], fqn
+
+
+def test_train_init_from_checkpoint_and_hf_export(tmp_path):
+    """``ckptool train --init-from``: a fresh run starts from another run's weights (its DCP
+    ``final_model``, or that exported to safetensors and imported on the fly). Run A moves its
+    weights far (lr 3e-2); one AdamW step of the new run (lr 1e-4) moves none of them by more
+    than 1e-4, so it must have started from A's final weights, not from the seed's."""
+    from ckptool.ops.consolidate import consolidate
+    from ckptool.train.config import TrainConfig
+    from ckptool.train.launch import launch
+
+    from _dist import load_tensors
+
+    base = {"nproc": 2, "keep": 0, "log_every": 1, "batch_size": 8, "seq_len": 32,
+            "warmup_steps": 0}
+    launch(TrainConfig(out=str(tmp_path / "a"), steps=4, save_every=1, final_model_only=True,
+                       lr=3e-2, **base))
+    a = {k: v for k, v in load_tensors(tmp_path / "a/final_model").items() if k.startswith("model.")}
+    a1 = load_tensors(tmp_path / "a/step_1")  # about where a fresh run with this seed starts
+    assert max((a1[k] - a[k]).abs().max().item() for k in a) > 0.03
+    consolidate(tmp_path / "a/final_model", tmp_path / "hf")  # HF-style folder of the weights
+    for name, init in (("b", tmp_path / "a/final_model"), ("c", tmp_path / "hf")):
+        launch(TrainConfig(out=str(tmp_path / name), steps=1, save_every=1, init_from=str(init),
+                           lr=1e-4, **base))
+        b = load_tensors(tmp_path / name / "step_1")
+        worst = max((b[k] - a[k]).abs().max().item() for k in a)
+        assert worst <= 1e-4 * 1.001, f"{name}: {worst}"
