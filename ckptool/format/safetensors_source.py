@@ -240,12 +240,30 @@ def _sharded_dir(storage: Storage, dirs: set[str]) -> list[str]:
 
 
 def _shards_whole(storage: Storage, shards: list[str]) -> Found:
-    ranks = sorted({int(_SHARD_RE.fullmatch(s.rsplit("/", 1)[-1]).group(1)) for s in shards})  # type: ignore[union-attr]
-    gap = next((r for r in range(1, ranks[-1] + 1) if r not in ranks), None)
+    held: dict[int, set[str]] = {}  # shard number (rank + 1) -> its "model-i-of-N" parts
+    for rel in shards:
+        m = _SHARD_RE.fullmatch(rel.rsplit("/", 1)[-1])
+        assert m is not None
+        held.setdefault(int(m.group(1)), set()).add(f"model-{m.group(2)}-of-{m.group(3)}")
+    ranks = sorted(held)
+    gap = next((r for r in range(1, ranks[-1] + 1) if r not in held), None)
     if gap is not None:
         return Found("sharded", tuple(shards), False, f"{storage.url} is incomplete: no shard of "
                      f"rank {gap - 1} (shard-{gap:05d}-*) while rank {ranks[-1] - 1} wrote one",
                      "incomplete")
+    # FSDP2 ranks each write a chunk (empty ones too) of every sharded tensor, so a rank that
+    # wrote some output files but not one another rank wrote lost part of the save. (Only an
+    # output holding nothing but replicated tensors could legitimately skip a rank.)
+    every = set().union(*held.values())
+    for r in ranks:
+        if held[r] != every:
+            part = sorted(every - held[r])[0]
+            rel = next(x for x in shards if x.endswith(f"-{part}{SUFFIX}")).rsplit("/", 1)
+            name = f"{rel[0]}/" if len(rel) > 1 else ""
+            return Found("sharded", tuple(shards), False, f"{storage.url_of(name)}shard-{r:05d}-"
+                         f"{part}{SUFFIX} is missing: rank {r - 1} wrote {len(held[r])} of the "
+                         f"{len(every)} output files the other ranks wrote, so the chunks it held "
+                         "are gone", "missing-file")
     for rel in shards:
         try:
             read_header(storage, rel)
