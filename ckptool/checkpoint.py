@@ -163,6 +163,8 @@ class Checkpointer:
         async_save: use ``dcp.async_save`` in a background process; at most one save is in
             flight, and a new ``save`` first waits for the previous one.
         config: JSON-able dict recorded in each manifest (e.g. the training config).
+        hf_config: a Hugging Face ``PretrainedConfig`` (or its dict) of the model: recorded as
+            ``config["hf_config"]``, so ``consolidate`` and ``upload`` write its ``config.json``.
 
     Example:
         >>> ckpt = Checkpointer("runs/x", keep=2)
@@ -172,7 +174,7 @@ class Checkpointer:
     """
 
     def __init__(self, out_dir: str | os.PathLike[str], keep: int = 3, async_save: bool = False, *,
-                 config: dict[str, Any] | None = None) -> None:
+                 config: dict[str, Any] | None = None, hf_config: Any = None) -> None:
         if keep < 0:
             raise ConfigError(f"keep must be 0 (keep all) or positive, got {keep}")
         # A URL stays a string: Path() would fold "s3://" into "s3:/".
@@ -180,6 +182,9 @@ class Checkpointer:
         self.keep = keep
         self.async_save = async_save
         self.config = dict(config or {})
+        if hf_config is not None:  # a transformers PretrainedConfig or its dict
+            cfg = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
+            self.config["hf_config"] = cfg
         self.stats = SaveStats()
         self.last_loaded: str | None = None
         self._pending: _Pending | None = None

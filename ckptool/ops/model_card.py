@@ -40,6 +40,9 @@ class CardFacts:
         train_config: the training config recorded in the manifest.
         model_config: ``ModelConfig`` fields when the weights are ckptool's built-in model.
         subfolder: ``path_in_repo`` when the files do not go to the repo root.
+        hf_model_type: ``model_type`` of a Hugging Face ``config.json`` sent with the weights
+            (the card then says ``library_name: transformers``).
+        base_model: the Hub repo the weights were imported from, when known.
     """
 
     repo_id: str
@@ -55,6 +58,8 @@ class CardFacts:
     train_config: dict[str, Any] = field(default_factory=dict)
     model_config: dict[str, Any] | None = None
     subfolder: str = ""
+    hf_model_type: str | None = None
+    base_model: str | None = None
 
 
 def model_config_json(model_config: dict[str, Any]) -> bytes:
@@ -98,7 +103,10 @@ def model_card(facts: CardFacts) -> str:
     from huggingface_hub import ModelCard, ModelCardData
 
     tags = [*TAGS, MODEL_TYPE] if facts.model_config else list(TAGS)
-    data = ModelCardData(library_name="ckptool", tags=tags)
+    if facts.hf_model_type:
+        tags.append(facts.hf_model_type)
+    data = ModelCardData(library_name="transformers" if facts.hf_model_type else "ckptool",
+                         tags=tags, base_model=facts.base_model)
     name = facts.repo_id.split("/")[-1]
     body = "\n\n".join(part for part in (
         f"# {name}",
@@ -157,6 +165,11 @@ def _usage(f: CardFacts) -> str:
                 "from safetensors.torch import load_file\n\n"
                 f'state_dict = load_file(hf_hub_download("{f.repo_id}", '
                 f'"{prefix}{f.weight_files[0]}"))')
+    if f.hf_model_type:
+        sub = f', subfolder="{f.subfolder}"' if f.subfolder else ""
+        return ("Load it with transformers:\n\n```python\n"
+                "from transformers import AutoModelForCausalLM\n\n"
+                f'model = AutoModelForCausalLM.from_pretrained("{f.repo_id}"{sub})\n```')
     text = ("Load the weights (tensor names are the model's own `state_dict()` keys):\n\n"
             f"```python\n{load}\n```")
     if f.model_config:

@@ -34,6 +34,7 @@ from ckptool._version import __version__
 from ckptool.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, HubError
 from ckptool.format.dtypes import BY_SAFETENSORS
 from ckptool.format.safetensors_writer import INDEX_NAME, SINGLE_NAME, read_header
+from ckptool.format.hf_source import ASSET_NAMES
 from ckptool.ops.model_card import MODEL_TYPE, CardFacts, model_card, model_config_json
 from ckptool.storage import is_url
 
@@ -42,7 +43,7 @@ NOT_LOGGED_IN = "Not logged in. Run 'hf auth login' or pass --token / set HF_TOK
 RESUME_HINT = ("Re-run the same command to resume: files the Hub already has are not sent "
                "again")
 #: Files of a shards folder sent as they are (they win over the generated ones).
-PASS_THROUGH = ("README.md", "config.json")
+PASS_THROUGH = ("README.md", *ASSET_NAMES)  # config, generation config, tokenizer files
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,8 @@ class _Source:
     loss: float | None = None
     train_config: dict[str, Any] = field(default_factory=dict)
     model_config: dict[str, Any] | None = None
+    hf_model_type: str | None = None
+    base_model: str | None = None
 
 
 @dataclass(frozen=True)
@@ -344,7 +347,12 @@ def _open_checkpoint(path: str) -> _Source:
     m = read_manifest(ckpt.storage)
     config = dict(m.config) if m is not None else {}
     model_config = config.get("model_config")
-    return _Source("dcp", ckpt.url, ckpt.name,
+    if isinstance(model_config, dict) and not _is_builtin(model_config):
+        model_config = None  # e.g. a transformers config: config.json comes from hf_config
+    source = m.source if m is not None and isinstance(m.source, dict) else {}
+    label = source.get("path") if source.get("operation") == "import" else None
+    base = label.split("@", 1)[0] if isinstance(label, str) and _looks_like_repo(label) else None
+    return _Source("dcp", ckpt.url, ckpt.name, base_model=base,
                    step=m.step if m is not None and m.step is not None else ckpt.step,
                    world_size=m.world_size if m is not None else None,
                    loss=m.loss if m is not None else None, train_config=config,
@@ -380,17 +388,36 @@ def _with_file_provenance(src: _Source, stage: Path, weights: _Weights) -> _Sour
     """Fill what the source did not say from the safetensors header and a ckptool config.json."""
     meta, model_config = weights.metadata, src.model_config
     config = stage / "config.json"
-    if model_config is None and config.is_file():
+    hf_model_type = None
+    if config.is_file():
         with contextlib.suppress(ValueError):
             obj = json.loads(config.read_bytes())
-            model_config = obj if isinstance(obj, dict) and obj.get("model_type") == MODEL_TYPE \
-                else None
+            kind = obj.get("model_type") if isinstance(obj, dict) else None
+            if kind == MODEL_TYPE and model_config is None:
+                model_config = obj
+            elif isinstance(kind, str) and kind != MODEL_TYPE:
+                hf_model_type = kind
     name = src.name if src.kind == "dcp" else meta.get("source_checkpoint") or src.name
     step = src.step if src.step is not None else _int(meta.get("source_step"))
     world_size = src.world_size if src.world_size is not None \
         else _int(meta.get("source_world_size"))
     return dataclasses.replace(src, name=name, step=step, world_size=world_size,
-                               model_config=model_config)
+                               model_config=model_config, hf_model_type=hf_model_type)
+
+
+def _is_builtin(model_config: dict[str, Any]) -> bool:
+    """The manifest's ``model_config`` describes ckptool's built-in model."""
+    try:
+        model_config_json(model_config)
+    except (ConfigError, TypeError, ValueError):
+        return False
+    return True
+
+
+def _looks_like_repo(label: str) -> bool:
+    from ckptool.ops.import_hf import is_repo_id
+
+    return is_repo_id(label)
 
 
 def _int(text: str | None) -> int | None:
@@ -406,7 +433,8 @@ def _write_card(stage: Path, src: _Source, weights: _Weights, repo_id: str, subf
         repo_id=repo_id, weight_files=weights.files, sharded=(stage / INDEX_NAME).exists(),
         tensors=weights.tensors, nbytes=weights.nbytes, dtype=", ".join(weights.dtypes) or None,
         step=src.step, loss=src.loss, world_size=src.world_size, source=src.name,
-        train_config=src.train_config, model_config=src.model_config, subfolder=subfolder)
+        train_config=src.train_config, model_config=src.model_config, subfolder=subfolder,
+        hf_model_type=src.hf_model_type, base_model=src.base_model)
     (stage / "README.md").write_text(model_card(facts), encoding="utf-8")
 
 

@@ -121,3 +121,62 @@ def test_single_file_output_says_where_the_assets_go(hf_model, tmp_path):
                                  str(tmp_path / "m.safetensors")])
     assert r.exit_code == 0, r.output
     assert "give a folder OUTPUT" in r.output
+
+
+# ---------------------------------------------------------------------------------------------
+# upload: every file of the export, config.json from what the checkpoint knows, an HF card
+
+
+def _card_meta(text: str) -> dict:
+    import yaml
+
+    return yaml.safe_load(text.split("---")[1])
+
+
+def test_upload_of_an_imported_checkpoint_sends_config_and_tokenizer(hf_model, tmp_path):
+    from ckptool.ops.upload import upload
+
+    model, root = hf_model
+    ckpt = tmp_path / "ckpt"
+    assert CliRunner().invoke(cli, ["import", str(root / "pretrained"), str(ckpt),
+                                    "--ranks", "2"]).exit_code == 0
+    r = upload(ckpt, "alice/llama-ft", dry_run=True)
+    sent = {f.path_in_repo for f in r.files}
+    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+            "README.md", "model.safetensors"} <= sent
+
+
+def test_checkpointer_given_an_hf_config_uploads_a_loadable_repo(tmp_path, monkeypatch):
+    """A Checkpointer given a transformers config used to make upload fail ('unknown model
+    config keys'); now config.json is the model's and the card says transformers."""
+    import ckptool.ops.upload as up
+    from ckptool.checkpoint import Checkpointer
+
+    model = _llama(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ck = Checkpointer(tmp_path / "run", hf_config=model.config,
+                      config={"model_config": model.config.to_dict()})
+    ck.save(1, model, opt)
+    ck.close()
+    staged = {}
+    real_card = up._write_card
+
+    def keep(stage, *a, **kw):  # observe (not replace) the staging step: read its files
+        real_card(stage, *a, **kw)
+        staged.update({p.name: p.read_bytes() for p in stage.iterdir()})
+
+    monkeypatch.setattr(up, "_write_card", keep)
+    r = up.upload(tmp_path / "run", "alice/llama-ft", dry_run=True)
+    assert "config.json" in {f.path_in_repo for f in r.files}
+    assert json.loads(staged["config.json"])["model_type"] == "llama"
+    meta = _card_meta(staged["README.md"].decode())
+    assert meta["library_name"] == "transformers" and "llama" in meta["tags"]
+    assert "AutoModelForCausalLM.from_pretrained" in staged["README.md"].decode()
+    out = tmp_path / "export"
+    out.mkdir()
+    for name, data in staged.items():
+        (out / name).write_bytes(data)
+    from transformers import AutoModelForCausalLM
+
+    loaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]

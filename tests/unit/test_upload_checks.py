@@ -110,7 +110,7 @@ def test_tensor_missing_from_index_is_refused(tmp_path):
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"repo_id": "not a repo"}, "is not a valid repo id"),
-    ({"dtype": "bfloat16"}, "--dtype and --max-shard-size apply to DCP checkpoints"),
+    ({"dtype": "bfloat16"}, "--dtype, --max-shard-size, --model-key and --keep-wrappers apply to DCP checkpoints"),
     ({"create_pr": True, "revision": "dev"}, "--create-pr opens a pull request against main"),
     ({"path_in_repo": "a/../b"}, "must be a plain relative folder"),
 ])
