@@ -4,11 +4,11 @@ Owns what ``ckptool import`` trusts about its input: which files make up the mod
 (``model.safetensors``, or the shards named by ``model.safetensors.index.json``, or one
 ``.safetensors`` file), where every tensor's bytes sit, and which asset files
 (``config.json``, ``generation_config.json``, tokenizer files) travel along. Every header is
-bounds-checked before a byte of data is used: header length inside the file, a JSON object of
-known dtypes, ``end - begin == prod(shape) * itemsize``, offsets inside the file, no two
-tensors overlapping. Index entries are path-checked (relative, no ``..``, nothing that leaves
-the folder through a symlink). PyTorch pickle weights (``*.bin``, ``*.pt``) are refused, never
-unpickled. Moving the bytes is ``ops/import_hf.py``'s business.
+bounds-checked before a byte of data is used (by ``safetensors_source.read_header``: header
+length inside the file, a JSON object of known dtypes, ``end - begin == prod(shape) *
+itemsize``, offsets inside the file, no two tensors overlapping). Index entries are
+path-checked (relative, no ``..``, nothing that leaves the folder through a symlink). PyTorch
+pickle weights (``*.bin``, ``*.pt``) are refused, never unpickled. Moving the bytes is ``ops/import_hf.py``'s business.
 """
 
 from __future__ import annotations
@@ -16,17 +16,16 @@ from __future__ import annotations
 import json
 import math
 import os
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ckptool.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError
-from ckptool.format.dtypes import BY_SAFETENSORS, DType
+from ckptool.format.dtypes import DType
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-#: safetensors' own limit on the header (100 MB).
+#: Largest index file read (as safetensors' own limit on a header: 100 MB).
 MAX_HEADER = 100_000_000
 #: Asset files copied into the checkpoint (``hf_assets/``) so an export loads as it is.
 ASSET_NAMES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -262,7 +261,8 @@ def _config(assets: dict[str, str]) -> dict[str, Any]:
 
 
 def read_tensors(path: str | os.PathLike[str]) -> dict[str, SourceTensor]:
-    """Every tensor of one ``.safetensors`` file, after checking its header against the file.
+    """Every tensor of one ``.safetensors`` file, after checking its header against the file
+    (``safetensors_source.read_header``: the one safetensors header reader).
 
     Args:
         path: the file.
@@ -277,55 +277,10 @@ def read_tensors(path: str | os.PathLike[str]) -> dict[str, SourceTensor]:
         >>> read_tensors("model.safetensors")["lm_head.weight"].dtype.name
         'bfloat16'
     """
-    path = os.fspath(path)
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        prefix = f.read(8)
-        if len(prefix) != 8:
-            raise CorruptCheckpointError(f"{path} is too short to be a safetensors file", path=path)
-        (n,) = struct.unpack("<Q", prefix)
-        if n > MAX_HEADER or 8 + n > size:
-            raise CorruptCheckpointError(f"{path}: header length {n} does not fit the file "
-                                         f"({size} bytes)", path=path)
-        text = f.read(n)
-    try:
-        header = json.loads(text)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CorruptCheckpointError(f"{path}: header is not JSON ({e})", path=path) from None
-    if not isinstance(header, dict):
-        raise CorruptCheckpointError(f"{path}: header is not a JSON object", path=path)
-    start, data = 8 + n, size - 8 - n
-    out = [_entry(path, name, info, start, data) for name, info in header.items()
-           if name != "__metadata__"]
-    out.sort(key=lambda t: (t.offset, t.nbytes))
-    end = start
-    for t in out:
-        if t.offset < end and t.nbytes:
-            raise CorruptCheckpointError(f"{path}: tensor {t.name} overlaps the tensor before it",
-                                         path=path, hint="The file is damaged or hostile")
-        end = max(end, t.offset + t.nbytes)
-    return {t.name: t for t in out}
+    from ckptool.format.safetensors_source import read_header
+    from ckptool.storage import Storage
 
-
-def _entry(path: str, name: str, info: Any, start: int, data: int) -> SourceTensor:
-    def bad(what: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"{path}: tensor {name!r} {what}", path=path,
-                                      hint="The file is damaged or hostile")
-
-    if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
-        raise bad("is not a {dtype, shape, data_offsets} entry")
-    dtype = BY_SAFETENSORS.get(info["dtype"]) if isinstance(info["dtype"], str) else None
-    if dtype is None:
-        raise bad(f"has unknown dtype {info['dtype']!r}")
-    shape, offs = info["shape"], info["data_offsets"]
-    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-        raise bad(f"has a bad shape {shape!r}")
-    if (not isinstance(offs, list) or len(offs) != 2 or not all(type(o) is int for o in offs)
-            or not 0 <= offs[0] <= offs[1]):
-        raise bad(f"has bad data_offsets {offs!r}")
-    if offs[1] > data:
-        raise bad(f"ends at data byte {offs[1]}, past the end of the file ({data} data bytes)")
-    nbytes = math.prod(shape) * dtype.itemsize
-    if offs[1] - offs[0] != nbytes:
-        raise bad(f"spans {offs[1] - offs[0]} bytes but shape {shape} of {dtype} needs {nbytes}")
-    return SourceTensor(name, dtype, tuple(shape), path, start + offs[0])
+    p = Path(os.fspath(path))
+    header = read_header(Storage.open(p.parent), p.name)
+    return {t.name: SourceTensor(t.name, t.dtype, t.shape, str(p), t.start)
+            for t in header.tensors.values()}

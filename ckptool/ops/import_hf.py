@@ -33,12 +33,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckptool._version import __version__
-from ckptool.errors import ConfigError, CorruptCheckpointError, HubError, IncompatibleCheckpointError
+from ckptool.errors import ConfigError, CorruptCheckpointError, IncompatibleCheckpointError
 from ckptool.format import manifest as mf
 from ckptool.format.dcp_writer import (V2_DTYPES, DistcpFile, TensorRecord, crc32_combine,
                                        fsdp_chunks, write_metadata)
 from ckptool.format.dtypes import DTYPES, DType
-from ckptool.format.hf_source import ASSET_NAMES, INDEX_NAME, SINGLE_NAME, HFSource, SourceTensor, open_source
+from ckptool.format.hf_source import HFSource, SourceTensor, open_source
 from ckptool.format.items import crc32
 from ckptool.format.metadata import METADATA, CheckpointMetadata, Chunk, StorageRef, TensorEntry
 from ckptool.format.reader import CheckpointReader
@@ -403,4 +403,4 @@ def _write_manifest(tmp: Path, source: HFSource, label: str, world_size: int, dt
     mf.write_manifest(Storage.open(tmp), manifest)
 
 
-__all__ = ["ASSET_NAMES", "INDEX_NAME", "SINGLE_NAME", "ImportResult", "import_hf", "is_repo_id"]
+__all__ = ["ImportResult", "import_hf", "is_repo_id"]
