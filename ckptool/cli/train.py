@@ -7,12 +7,14 @@ imported only when the command runs (``ckptool --help`` stays fast).
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import click
 from click.core import ParameterSource
 
 from ckptool.cli._common import echo_json, human_bytes, progress_enabled
+from ckptool.errors import ConfigError
 from ckptool.storage import is_url
 from ckptool.train.config import ACTIVATION_CHECKPOINTING, DEVICES, PRECISION, SHARDING, TrainConfig
 from ckptool.train.sizes import PRESETS
@@ -88,8 +90,27 @@ def train(ctx: click.Context, **kw: Any) -> None:
     latest valid checkpoint in --out unless --no-resume. Option precedence: command line >
     --accelerate-config > --config > defaults.
     """
+    from ckptool.train.launch import launch  # torch is imported only once ranks start
+
+    try:
+        cfg = _config(ctx, kw)
+        view = _Progress(enabled=not kw["json_out"])
+        try:
+            result = launch(cfg, on_event=view)
+        finally:
+            view.close()
+    except ConfigError as e:  # a bad option or a contradiction between options: usage, exit 2
+        raise click.UsageError(" ".join(str(e).split()), ctx) from e
+    if result is None:  # a rank other than 0 under torchrun
+        return
+    if kw["json_out"]:
+        echo_json(result)
+    else:
+        click.echo(render_summary(result, cfg))
+
+
+def _config(ctx: click.Context, kw: dict[str, Any]) -> TrainConfig:
     from ckptool.train.config import read_config_file
-    from ckptool.train.launch import launch  # imports torch
 
     options = read_config_file(kw["config"]) if kw["config"] else {}
     if kw["accelerate_config"]:
@@ -97,18 +118,7 @@ def train(ctx: click.Context, **kw: Any) -> None:
 
         options.update(read_accelerate_config(kw["accelerate_config"]))
     options.update(_given(ctx, kw))
-    cfg = TrainConfig.from_dict(options)
-    view = _Progress(enabled=not kw["json_out"])
-    try:
-        result = launch(cfg, on_event=view)
-    finally:
-        view.close()
-    if result is None:  # a rank other than 0 under torchrun
-        return
-    if kw["json_out"]:
-        echo_json(result)
-    else:
-        click.echo(render_summary(result, cfg))
+    return TrainConfig.from_dict(options)
 
 
 def _given(ctx: click.Context, kw: dict[str, Any]) -> dict[str, Any]:
@@ -123,8 +133,17 @@ def _given(ctx: click.Context, kw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+#: Widest line the progress view and the summary aim for (a bar never grows past it).
+WIDTH = 80
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
 class _Progress:
-    """Renders rank 0's events: a tqdm bar on a terminal, else one line per report (stderr)."""
+    """Renders rank 0's events on stderr: on a terminal a one-line tqdm bar (at most 80
+    columns) with every message on its own line above it; in a pipe one line per report."""
 
     def __init__(self, *, enabled: bool) -> None:
         self.enabled = enabled
@@ -135,36 +154,43 @@ class _Progress:
         if not self.enabled:
             return
         kind = type(event).__name__
-        if kind == "RunStarted":
+        if kind == "Notice":
+            self._line(f"note: {event.text}")
+        elif kind == "RunStarted":
             self._started(event)
         elif kind == "StepReport":
             self._step(event)
         elif kind == "SaveReport":
-            verb = "saving" if event.is_async else "saved"
-            self._line(f"{verb} {event.path} (training blocked {event.blocked_seconds:.2f} s)")
+            what = "saving" if event.is_async else "saved"
+            self._line(f"{what} {_short(event.path)} (training blocked {event.blocked_seconds:.2f} s)")
 
     def _started(self, e: Any) -> None:
-        where = f"resumed from {e.resumed_from}" if e.resumed_from else "fresh start"
-        self._line(f"training {e.model_params:,} parameters on {e.world_size} rank(s), {e.device}, "
-                   f"{e.precision}, sharding {e.sharding}; {where}, step {e.start_step} -> {e.steps}")
+        self._line(f"training {e.model_params:,} parameters on {_plural(e.world_size, 'rank')}: "
+                   f"{e.device}, {e.precision}, sharding {e.sharding}")
+        where = f"resumed from {_short(e.resumed_from)}" if e.resumed_from else "fresh start"
+        self._line(f"{where}: steps {e.start_step + 1}..{e.steps}" if e.start_step < e.steps
+                   else f"{where}: already at step {e.steps}")
         if self.use_bar and e.start_step < e.steps:
+            import shutil
+
             from tqdm import tqdm
 
-            self.bar = tqdm(total=e.steps, initial=e.start_step, unit="step", dynamic_ncols=True)
+            self.bar = tqdm(total=e.steps, initial=e.start_step, unit="step", desc="train",
+                            ncols=min(WIDTH, shutil.get_terminal_size().columns),
+                            bar_format="{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
+                                       "[{elapsed}<{remaining}{postfix}]")
 
     def _step(self, e: Any) -> None:
-        text = (f"loss {e.loss:.4f}  {e.tokens_per_s:,.0f} tok/s  {e.step_seconds * 1000:.0f} ms/step  "
-                f"rank0 {_state(e.state_bytes[0])}  save {e.save_seconds:.1f} s "
-                f"(blocked {e.blocked_seconds:.1f} s)")
         if self.bar is not None:
             self.bar.update(e.step - self.bar.n)
-            self.bar.set_postfix_str(text, refresh=True)
+            self.bar.set_postfix_str(f"loss {e.loss:.4f}, {e.tokens_per_s:,.0f} tok/s", refresh=True)
         else:
-            click.echo(f"step {e.step:>6}/{e.steps}  {text}", err=True)
+            click.echo(f"step {e.step}/{e.steps}  loss {e.loss:.4f}  {e.tokens_per_s:,.0f} tok/s  "
+                       f"{e.step_seconds * 1000:.0f} ms/step", err=True)
 
     def _line(self, text: str) -> None:
         if self.bar is not None:
-            self.bar.write(text)
+            self.bar.write(text, file=sys.stderr)
         else:
             click.echo(text, err=True)
 
@@ -175,7 +201,7 @@ class _Progress:
 
 
 def _state(b: dict[str, int]) -> str:
-    return f"params {human_bytes(b['params'])} grads {human_bytes(b['grads'])} optim {human_bytes(b['optim'])}"
+    return f"params {human_bytes(b['params'])}, grads {human_bytes(b['grads'])}, optim {human_bytes(b['optim'])}"
 
 
 def _short(path: str) -> str:
@@ -189,24 +215,32 @@ def _short(path: str) -> str:
 def render_summary(r: Any, cfg: Any) -> str:
     """The human summary of a ``TrainResult``, ending with the next commands to try."""
     if not r.losses:
-        return (f"{r.out} is already at step {r.steps} (--steps {cfg.steps}): nothing to train.\n"
+        return (f"{_short(r.out)} is already at step {r.steps} (--steps {cfg.steps}): nothing to train.\n"
                 f"Pass a larger --steps to continue, or a new --out to start over.")
     lines = [
-        f"trained steps {r.start_step + 1}..{r.steps} in {r.wall_seconds:.1f} s on {r.world_size} rank(s) "
-        f"({r.device}, {r.precision}, sharding {r.sharding})"
-        + (f", resumed from {r.resumed_from}" if r.resumed_from else ""),
+        f"trained steps {r.start_step + 1}..{r.steps} in {r.wall_seconds:.1f} s on "
+        f"{_plural(r.world_size, 'rank')} ({r.device}, {r.precision}, sharding {r.sharding})",
+    ]
+    if r.resumed_from:
+        lines.append(f"resumed from {_short(r.resumed_from)}")
+    lines += [
         f"loss {r.first_loss:.4f} -> {r.final_loss:.4f}",
         f"throughput {r.tokens_per_s:,.0f} tokens/s, {r.samples_per_s:.1f} samples/s",
-        "state per rank: " + "; ".join(f"rank {i} {_state(b)}" for i, b in enumerate(r.state_bytes)),
-        f"saves: {r.saves}, {r.save_seconds:.2f} s saving, training blocked {r.blocked_seconds:.2f} s",
     ]
+    if len({tuple(sorted(b.items())) for b in r.state_bytes}) == 1:
+        who = f"state of each of {r.world_size} ranks" if r.world_size > 1 else "state"
+        lines.append(f"{who}: {_state(r.state_bytes[0])}")
+    else:
+        lines += ["state per rank:"] + [f"  rank {i}: {_state(b)}" for i, b in enumerate(r.state_bytes)]
+    lines.append(f"saves: {r.saves}, {r.save_seconds:.2f} s saving, training blocked {r.blocked_seconds:.2f} s")
     if r.peak_memory_bytes:
         lines.append("peak GPU memory: " + ", ".join(human_bytes(b) for b in r.peak_memory_bytes))
     if r.scaling:
         s = r.scaling
-        lines.append(f"scaling: {s['samples_per_s']:.1f} samples/s on {int(s['ranks'])} ranks vs "
-                     f"{s['samples_per_s_1_rank']:.1f} on 1 rank ({s['speedup']:.2f}x, "
-                     f"{100 * s['efficiency']:.0f}% efficiency)")
+        lines += [f"scaling: {s['speedup']:.2f}x on {_plural(int(s['ranks']), 'rank')}, "
+                  f"{100 * s['efficiency']:.0f}% efficiency (same batch, {int(s['timed_steps'])} timed steps)",
+                  f"  {s['samples_per_s']:.1f} samples/s vs {s['samples_per_s_1_rank']:.1f} on 1 rank "
+                  f"with one rank's CPU threads"]
     if r.latest:
         latest = _short(r.latest)
         lines += ["checkpoints: " + ", ".join(r.checkpoints), "", "Next:",

@@ -21,6 +21,13 @@ PRECISION = ("fp32", "bf16")
 ACTIVATION_CHECKPOINTING = ("none", "every", "every-2")
 DEVICES = ("auto", "cpu", "cuda")
 MODEL_FIELDS = ("vocab", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len")
+#: TrainConfig field -> its ``ckptool train`` option, where the two names differ.
+FLAGS = {"n_layers": "--layers", "n_heads": "--heads", "resume": "--no-resume"}
+
+
+def flag(field: str) -> str:
+    """The command-line option of a ``TrainConfig`` field (``save_every`` -> ``--save-every``)."""
+    return FLAGS.get(field, "--" + field.replace("_", "-"))
 
 
 @dataclass(kw_only=True)
@@ -116,7 +123,7 @@ class TrainConfig:
                               hint="Pass a text file (read as bytes) or omit --data for the demo corpus")
         mc = self.model_config()  # validates model sizes
         if mc.vocab < 256:
-            raise ConfigError(f"vocab {mc.vocab} is too small for byte-level tokens; use at least 256")
+            raise ConfigError(f"--vocab {mc.vocab} is too small for byte-level tokens; use at least 256")
         if self.effective_seq_len() > mc.max_seq_len:
             raise ConfigError(f"--seq-len {self.seq_len} exceeds the model's max_seq_len {mc.max_seq_len}",
                               hint="Lower --seq-len or raise --max-seq-len")
@@ -127,9 +134,9 @@ class TrainConfig:
         for name, allowed in (("sharding", SHARDING), ("activation_checkpointing", ACTIVATION_CHECKPOINTING),
                               ("device", DEVICES)):
             if getattr(self, name) not in allowed:
-                raise ConfigError(f"{name} {getattr(self, name)!r} is not one of {', '.join(allowed)}")
+                raise ConfigError(f"{flag(name)} {getattr(self, name)} is not one of {', '.join(allowed)}")
         if self.mixed_precision is not None and self.mixed_precision not in PRECISION:
-            raise ConfigError(f"mixed_precision {self.mixed_precision!r} is not one of {', '.join(PRECISION)}",
+            raise ConfigError(f"--mixed-precision {self.mixed_precision} is not one of {', '.join(PRECISION)}",
                               hint="fp16 needs loss scaling, which ckptool train does not do; use bf16")
 
     def _check_numbers(self) -> None:
@@ -137,18 +144,18 @@ class TrainConfig:
         non_negative = ("save_every", "keep", "seed")
         for name in positive:
             if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+                raise ConfigError(f"{flag(name)} must be at least 1, got {getattr(self, name)}")
         for name in non_negative:
             if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
+                raise ConfigError(f"{flag(name)} must not be negative, got {getattr(self, name)}")
         for name in ("nproc", "seq_len", "hybrid_shard_size", "lr_decay_steps"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.lr <= 0 or self.grad_clip < 0 or self.weight_decay < 0:
-            raise ConfigError(f"lr must be positive and grad_clip, weight_decay non-negative "
-                              f"(got {self.lr}, {self.grad_clip}, {self.weight_decay})")
-        if self.warmup_steps is not None and self.warmup_steps < 0:
-            raise ConfigError(f"warmup_steps must not be negative, got {self.warmup_steps}")
+                raise ConfigError(f"{flag(name)} must be at least 1, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise ConfigError(f"--lr must be positive, got {self.lr}")
+        for name in ("grad_clip", "weight_decay", "warmup_steps"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ConfigError(f"{flag(name)} must not be negative, got {getattr(self, name)}")
 
     def check_world_size(self, world_size: int) -> None:
         """Raise ConfigError unless the batch and the hybrid mesh split over ``world_size`` ranks."""
@@ -160,7 +167,7 @@ class TrainConfig:
         if self.sharding == "hybrid" and self.hybrid_shard_size is not None:
             if world_size % self.hybrid_shard_size:
                 raise ConfigError(
-                    f"hybrid_shard_size {self.hybrid_shard_size} does not divide {world_size} ranks")
+                    f"--hybrid-shard-size {self.hybrid_shard_size} does not divide {world_size} ranks")
 
     # -- derived values -------------------------------------------------------------------
     def model_config(self) -> ModelConfig:
@@ -183,13 +190,20 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], **overrides: Any) -> TrainConfig:
-        """Build from a mapping whose keys may use dashes (``save-every``); overrides win.
+        """Build from a mapping whose keys may use dashes (``save-every``) and the command line's
+        names (``layers``, ``heads``, ``no-resume``); overrides win.
 
         Raises:
             ConfigError: unknown keys or invalid values.
         """
         names = {f.name for f in dataclasses.fields(cls)}
         clean = {str(k).replace("-", "_"): v for k, v in data.items()}
+        # The command line's names are accepted too (layers, heads, no_resume).
+        for option, field in (("layers", "n_layers"), ("heads", "n_heads")):
+            if option in clean:
+                clean[field] = clean.pop(option)
+        if "no_resume" in clean:
+            clean["resume"] = not clean.pop("no_resume")
         unknown = sorted(set(clean) - names)
         if unknown:
             raise ConfigError(f"unknown train options {unknown}",

@@ -25,6 +25,7 @@ from typing import Any
 from ckptool import errors
 from ckptool.errors import CkptError, ConfigError
 from ckptool.train.config import TrainConfig
+from ckptool.train.preflight import plan_resume
 
 #: Seconds a surviving rank gets to exit after SIGTERM before SIGKILL.
 GRACE_S = 5.0
@@ -58,6 +59,8 @@ def default_nproc(cfg: TrainConfig) -> int:
     """``--nproc`` if given, else one rank per GPU, else 2 (the CPU demo)."""
     if cfg.nproc is not None:
         return cfg.nproc
+    if cfg.device == "cpu":
+        return 2
     import torch
 
     if cfg.device != "cpu" and torch.cuda.is_available():
@@ -89,6 +92,10 @@ def launch(cfg: TrainConfig, *, on_event: Callable[[Any], None] | None = None) -
             raise ConfigError("--scaling-check needs ckptool to start the ranks itself",
                               hint="Run 'ckptool train --nproc N --scaling-check' without torchrun")
         return _run_here(cfg, on_event)
+    # Everything the options and the run folder can tell, before any rank (and torch) starts.
+    resume = plan_resume(cfg)
+    if cfg.resume_from is not None and resume is not None:
+        cfg = dataclasses.replace(cfg, resume_from=resume.path)  # a run folder -> its checkpoint
     nproc = default_nproc(cfg)
     cfg.check_world_size(nproc)
     result = spawn(cfg, nproc, on_event)
@@ -112,7 +119,8 @@ def _run_here(cfg: TrainConfig, on_event: Callable[[Any], None] | None) -> Any:
             dist.destroy_process_group()
 
 
-def _init_group(cfg: TrainConfig, rank: int, world_size: int, init_method: str) -> None:
+def _init_group(cfg: TrainConfig, rank: int, world_size: int, init_method: str,
+                threads: int | None = None) -> None:
     import torch
     import torch.distributed as dist
 
@@ -121,13 +129,17 @@ def _init_group(cfg: TrainConfig, rank: int, world_size: int, init_method: str) 
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     else:
         # N ranks on the same cores: one intra-op thread pool each would oversubscribe them.
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+        torch.set_num_threads(threads or threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
     dist.init_process_group("nccl" if gpu else "gloo", init_method=init_method, rank=rank,
                             world_size=world_size)
 
 
-def _worker(rank: int, cfg: TrainConfig, world_size: int, rdzv: str, events: Any) -> None:
+def threads_per_rank(local_ranks: int) -> int:
+    """CPU threads each of ``local_ranks`` ranks on this machine gets (cores split evenly)."""
+    return max(1, (os.cpu_count() or 1) // local_ranks)
+
+
+def _worker(rank: int, cfg: TrainConfig, world_size: int, rdzv: str, events: Any, threads: int | None) -> None:
     """One spawned rank (module level so that ``spawn`` can pickle it)."""
     import torch.distributed as dist
 
@@ -137,7 +149,7 @@ def _worker(rank: int, cfg: TrainConfig, world_size: int, rdzv: str, events: Any
                       LOCAL_WORLD_SIZE=str(world_size))
     # DCP's async-save process rendezvous at MASTER_ADDR; the host name may not resolve here.
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    _init_group(cfg, rank, world_size, f"file://{rdzv}")
+    _init_group(cfg, rank, world_size, f"file://{rdzv}", threads)
     try:
         result = train(cfg, on_event=events.put if rank == 0 else None)
         if rank == 0:
@@ -154,20 +166,33 @@ def _worker(rank: int, cfg: TrainConfig, world_size: int, rdzv: str, events: Any
     dist.destroy_process_group()
 
 
-def spawn(cfg: TrainConfig, nproc: int, on_event: Callable[[Any], None] | None = None) -> Any:
-    """Start ``nproc`` ranks in new processes and wait for them (see ``launch``)."""
+def spawn(cfg: TrainConfig, nproc: int, on_event: Callable[[Any], None] | None = None, *,
+          threads: int | None = None) -> Any:
+    """Start ``nproc`` ranks in new processes and wait for them (see ``launch``); on CPU each
+    rank gets ``threads`` intra-op threads (default: the cores split evenly)."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     events = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="ckptool-rdzv-") as tmp, _without_dcp_daemon_logs():
-        procs = mp.start_processes(_worker, args=(cfg, nproc, os.path.join(tmp, "rdzv"), events),
+        procs = mp.start_processes(_worker, args=(cfg, nproc, os.path.join(tmp, "rdzv"), events, threads),
                                    nprocs=nproc, join=False, start_method="spawn")
         try:
             return _supervise(procs.processes, events, on_event)
         finally:
             _stop(procs.processes)
             events.close()
+            _remove_error_files(procs.error_files)
+
+
+def _remove_error_files(paths: list[str | None]) -> None:
+    """torch's ``start_processes`` names a ``pytorch-errorfile-*.pickle`` in the temp folder for
+    each rank, which a rank that raises writes its traceback to, and never deletes it. The
+    launcher relays errors through its queue instead, so the files are removed."""
+    for path in paths:
+        if path:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 def _supervise(processes: list[Any], events: Any, on_event: Callable[[Any], None] | None) -> Any:
@@ -224,7 +249,7 @@ def _raise_failure(processes: list[Any], failed: list[int], rank_errors: list[_R
     code = processes[cause].exitcode
     how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
     others = [i for i in failed if i != cause]
-    also = f" (then rank(s) {', '.join(map(str, others))} failed too)" if others else ""
+    also = f" (then {_plural(len(others), 'rank')} {', '.join(map(str, others))} failed too)" if others else ""
     if rank_errors:
         said = " ".join(rank_errors[0].message.split())[:200]
         also += f"; rank {rank_errors[0].rank} then reported: {said}"
@@ -233,6 +258,10 @@ def _raise_failure(processes: list[Any], failed: list[int], rank_errors: list[_R
         rank=cause, exit_code=code,
         hint="See the rank's output above; run the same command again to resume from the latest good checkpoint",
     )
+
+
+def _plural(n: int, word: str) -> str:
+    return word if n == 1 else word + "s"
 
 
 def _stop(processes: list[Any]) -> None:
@@ -293,15 +322,24 @@ def _forward(r: int, out: int) -> None:
     os.close(out)
 
 
-def _scaling(cfg: TrainConfig, result: Any) -> dict[str, float]:
-    """Samples/s of the same global batch on one rank, for comparison with ``result``."""
-    steps = min(cfg.steps, 12)
+def _scaling(cfg: TrainConfig, result: Any) -> dict[str, float] | None:
+    """Samples/s of the same global batch on one rank over as many steps as ``result`` trained,
+    for comparison with ``result``. Both rates leave out the first step (warm-up: allocations,
+    thread pools) and saves; None when the run trained fewer than 2 steps (nothing timed).
+
+    The one rank gets the CPU threads of one of the N ranks, as a GPU run compares one GPU
+    with N: with all the cores, a CPU baseline measures thread scaling (and OpenMP threads
+    spinning for cores other processes hold), not rank scaling."""
+    steps = len(result.losses)
+    if steps < 2:
+        return None
     with tempfile.TemporaryDirectory(prefix="ckptool-scaling-") as tmp:
-        one = dataclasses.replace(cfg, out=tmp, nproc=1, steps=steps, save_every=0, resume=True,
+        one = dataclasses.replace(cfg, out=tmp, nproc=1, steps=steps, lr_decay_steps=cfg.effective_decay(),
+                                  warmup_steps=cfg.effective_warmup(), save_every=0, resume=True,
                                   resume_from=None, async_save=False, scaling_check=False,
                                   final_model_only=False)
-        base = spawn(one, 1)
+        base = spawn(one, 1, threads=threads_per_rank(result.world_size))
     ratio = result.samples_per_s / base.samples_per_s if base.samples_per_s else 0.0
-    return {"ranks": float(result.world_size), "samples_per_s": result.samples_per_s,
-            "samples_per_s_1_rank": base.samples_per_s, "speedup": ratio,
-            "efficiency": ratio / result.world_size}
+    return {"ranks": float(result.world_size), "timed_steps": float(steps - 1),
+            "samples_per_s": result.samples_per_s, "samples_per_s_1_rank": base.samples_per_s,
+            "speedup": ratio, "efficiency": ratio / result.world_size}

@@ -25,12 +25,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ckptool.checkpoint import Checkpointer, step_checkpoints
-from ckptool.errors import ConfigError
+from ckptool.checkpoint import Checkpointer
+from ckptool.errors import ConfigError, IncompatibleCheckpointError
 from ckptool.train import parallel
 from ckptool.train.config import TrainConfig
 from ckptool.train.data import TokenBatches
 from ckptool.train.model import GPT
+from ckptool.train.preflight import Notice, check_fresh_out, check_resume_from, model_mismatch, read_resume, resume_notices
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,8 @@ class TrainResult:
     checkpoints: list[str] = field(default_factory=list)
     latest: str | None = None
     scaling: dict[str, float] | None = None
+    notes: list[str] = field(default_factory=list)
+    """What differs from the checkpoint resumed (rank count, sharding, LR schedule, batch)."""
 
 
 class TrainState:
@@ -157,16 +160,6 @@ def build(cfg: TrainConfig, world_size: int, device: torch.device, precision: st
     schedule = lr_schedule(cfg.effective_warmup(), cfg.effective_decay())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     return model, optimizer, scheduler
-
-
-def check_fresh_out(out: str) -> None:
-    """``--no-resume``: refuse a run folder that already holds checkpoints."""
-    found = step_checkpoints(out)
-    if found:
-        raise ConfigError(
-            f"{out} already holds checkpoints ({found[-1].name}) and --no-resume was given",
-            path=out, hint="Pass a new --out, delete the folder, or drop --no-resume to continue it",
-        )
 
 
 def train_step(model: Any, optimizer: Any, data: TokenBatches, index: int, cfg: TrainConfig,
@@ -244,6 +237,7 @@ def setup(cfg: TrainConfig) -> _Run:
     device = pick_device(cfg.device)
     precision = cfg.mixed_precision or ("bf16" if device.type == "cuda" else "fp32")
     model, optimizer, scheduler = build(cfg, ws, device, precision)
+    parallel.quiet_mesh_pickling()  # async saves send the mesh to DCP's background process
     manifest_cfg = {**cfg.to_dict(), "model_config": cfg.model_config().to_dict(), "precision": precision}
     ckpt = Checkpointer(cfg.out, keep=cfg.keep, async_save=cfg.async_save, config=manifest_cfg)
     return _Run(cfg, model, optimizer, scheduler, _data(cfg, rank, ws), TrainState(), ckpt, device, precision)
@@ -267,9 +261,11 @@ def train(cfg: TrainConfig, *, on_event: Callable[[Any], None] | None = None) ->
     emit = on_event if (on_event is not None and rank == 0) else (lambda _e: None)
     run = setup(cfg)
     try:
-        resumed = _resume(run)
+        resumed, notes = _resume(run)
         if resumed is None and run.cfg.init_from is not None:  # weights only, then a fresh run
             run.ckpt.load_pretrained(run.model, run.cfg.init_from)
+        for note in notes:
+            emit(Notice(note))
         start = run.state.step
         emit(RunStarted(ws, str(run.device), run.precision, cfg.sharding, cfg.model_config().num_params(),
                         start, cfg.steps, resumed))
@@ -279,7 +275,11 @@ def train(cfg: TrainConfig, *, on_event: Callable[[Any], None] | None = None) ->
             run.ckpt.save_model(run.model, step=run.state.step, loss=meter.losses[-1] if meter.losses else None)
     finally:
         run.ckpt.close()
-    return _result(run, meter, start, resumed) if rank == 0 else None
+    if rank != 0:
+        return None
+    result = _result(run, meter, start, resumed)
+    result.notes = notes
+    return result
 
 
 def run_steps(run: _Run, emit: Callable[[Any], None]) -> _Meter:
@@ -341,13 +341,48 @@ def _data(cfg: TrainConfig, rank: int, ws: int) -> TokenBatches:
     return TokenBatches.from_file(cfg.data, **kw) if cfg.data else TokenBatches.demo(**kw)
 
 
-def _resume(run: _Run) -> str | None:
-    """Load the checkpoint the options ask for; the path loaded, or None for a fresh start."""
+def _broadcast(obj: Any) -> Any:
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _try(fn: Callable[[str], str], arg: str) -> tuple[str, str]:
+    try:
+        return "ok", fn(arg)
+    except ConfigError as e:
+        return "error", str(e)
+
+
+def _resume(run: _Run) -> tuple[str | None, list[str]]:
+    """Load the checkpoint the options ask for (all ranks). Returns the path loaded (None for
+    a fresh start) and, on rank 0, one line per thing that differs from the saved run."""
     cfg, ckpt = run.cfg, run.ckpt
-    if cfg.resume_from is not None:
-        ckpt.load(cfg.resume_from, run.model, run.optimizer, extra=run.extra)
-    elif not cfg.resume:
+    if cfg.resume_from is None and not cfg.resume:
         check_fresh_out(cfg.out)
-    elif ckpt.load_latest(run.model, run.optimizer, extra=run.extra) is not None:
-        logger.info("resumed from %s", ckpt.last_loaded)
-    return ckpt.last_loaded
+        return None, []
+    path = cfg.resume_from
+    if path is not None:  # checked (and a run folder resolved) on rank 0; every rank hears why
+        checked = _try(check_resume_from, path) if dist.get_rank() == 0 else None
+        kind, value = _broadcast(checked)
+        if kind == "error":
+            raise ConfigError(value)
+        path = value
+    else:
+        found = ckpt.latest() if dist.get_rank() == 0 else None
+        path = _broadcast(str(found.url) if found is not None else None)
+        if path is None:
+            return None, []
+    # The manifest names the saved model: say which option differs instead of DCP's error
+    # (or, for a model that is a prefix of the saved one, a silent partial load).
+    problem, notes = None, []
+    if dist.get_rank() == 0:
+        saved = read_resume(path)
+        problem = model_mismatch(saved, cfg)
+        notes = [n.text for n in resume_notices(saved, cfg, dist.get_world_size())]
+    problem = _broadcast(problem)
+    if problem:
+        raise IncompatibleCheckpointError(problem, path=path)
+    ckpt.load(path, run.model, run.optimizer, extra=run.extra, check=False)
+    logger.info("resumed from %s", ckpt.last_loaded)
+    return ckpt.last_loaded, notes

@@ -57,10 +57,51 @@ def build_mesh(sharding: str, world_size: int, device_type: str, *,
         return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
     shard = 1 if sharding == "none" else hybrid_shard_size(world_size, shard_size)
     if world_size % shard:
-        raise ConfigError(f"hybrid shard size {shard} does not divide {world_size} ranks",
+        raise ConfigError(f"--hybrid-shard-size {shard} does not divide {world_size} ranks",
                           hint="Pass --hybrid-shard-size that divides --nproc")
     return init_device_mesh(device_type, (world_size // shard, shard),
                             mesh_dim_names=("replicate", "shard"))
+
+
+# -- DeviceMesh across processes ------------------------------------------------------------
+# An async save pickles the staged state (DTensors, hence their DeviceMesh) into DCP's
+# background process, where DeviceMesh.__setstate__ looks up the mesh's process groups by
+# name. The sub-groups of a 2-D (hybrid / none) mesh do not exist there, so torch logs "It
+# seems like pickling/unpickling of the DeviceMesh occurred before the PGs were created" once
+# per mesh dimension, per rank, per save: harmless there (that process only writes the local
+# shards), but 8 lines per save on 4 ranks. Meshes sent to another process are rebuilt with
+# that one message dropped; every other log record passes.
+_PG_WARNING = "It seems like pickling/unpickling of the DeviceMesh occurred before the PGs were created"
+
+
+class _DropPgLookupWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(_PG_WARNING)
+
+
+def _rebuild_mesh(cls: type, state: dict[str, Any]) -> DeviceMesh:
+    mesh = cls.__new__(cls)
+    mesh_logger = logging.getLogger("torch.distributed.device_mesh")
+    quiet = _DropPgLookupWarning()
+    mesh_logger.addFilter(quiet)
+    try:
+        mesh.__setstate__(state)
+    finally:
+        mesh_logger.removeFilter(quiet)
+    return mesh
+
+
+def _reduce_mesh(mesh: DeviceMesh) -> tuple[Any, tuple[Any, ...]]:
+    return _rebuild_mesh, (type(mesh), mesh.__getstate__())
+
+
+def quiet_mesh_pickling() -> None:
+    """Send ``DeviceMesh`` objects to other processes (``multiprocessing`` pipes and queues,
+    e.g. DCP's async-save process) so that unpickling them there logs no PG-lookup warning.
+    Idempotent; affects only pickles made by ``multiprocessing``'s ``ForkingPickler``."""
+    from multiprocessing.reduction import ForkingPickler
+
+    ForkingPickler.register(DeviceMesh, _reduce_mesh)
 
 
 def mp_policy(precision: str) -> MixedPrecisionPolicy:

@@ -13,6 +13,11 @@ from typing import Any
 from ckptool.errors import ConfigError
 
 
+#: ``ModelConfig`` field -> the option of ``ckptool train`` / ``estimate`` that sets it.
+FLAGS = {"vocab": "--vocab", "d_model": "--d-model", "n_layers": "--layers", "n_heads": "--heads",
+         "d_ff": "--d-ff", "max_seq_len": "--max-seq-len"}
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """Sizes of the decoder.
@@ -36,12 +41,12 @@ class ModelConfig:
     def __post_init__(self) -> None:
         for name in ("vocab", "d_model", "n_layers", "n_heads", "max_seq_len"):
             if getattr(self, name) < 1:
-                raise ConfigError(f"model {name} must be at least 1, got {getattr(self, name)}")
+                raise ConfigError(f"{FLAGS[name]} must be at least 1, got {getattr(self, name)}")
         if self.d_ff is not None and self.d_ff < 1:
-            raise ConfigError(f"model d_ff must be at least 1, got {self.d_ff}")
+            raise ConfigError(f"--d-ff must be at least 1, got {self.d_ff}")
         if self.d_model % self.n_heads:
             raise ConfigError(
-                f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}",
+                f"--d-model {self.d_model} is not divisible by --heads {self.n_heads}",
                 hint="Pick --heads that divides --d-model",
             )
 
@@ -105,6 +110,6 @@ def model_config(name: str, **overrides: int | None) -> ModelConfig:
         ConfigError: unknown preset name or invalid sizes.
     """
     if name not in PRESETS:
-        raise ConfigError(f"unknown model size {name!r}; choose one of {', '.join(PRESETS)}")
+        raise ConfigError(f"--model {name}: unknown model size; choose one of {', '.join(PRESETS)}")
     changes = {k: v for k, v in overrides.items() if v is not None}
     return dataclasses.replace(PRESETS[name], **changes)

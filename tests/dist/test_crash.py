@@ -66,7 +66,7 @@ def test_signal_death_named_before_a_peers_error():
     with pytest.raises(RankFailedError) as e:
         _raise_failure(procs, [0, 1], [peer])
     assert e.value.rank == 1 and e.value.exit_code == -9
-    assert str(e.value).startswith("rank 1 was killed by SIGKILL (then rank(s) 0 failed too)")
+    assert str(e.value).startswith("rank 1 was killed by SIGKILL (then rank 0 failed too)")
     assert "rank 0 then reported: async save of run/step_4 failed" in str(e.value)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -173,3 +174,25 @@ def test_dead_rank_is_named_and_nothing_is_left_running(tmp_path, monkeypatch):
     assert e.value.rank == 1 and e.value.exit_code == -9
     assert str(e.value).startswith("rank 1 was killed by SIGKILL")
     assert multiprocessing.active_children() == []
+
+
+def test_cli_output_in_a_pipe_is_ours_only_and_scaling_uses_the_same_steps(tmp_path):
+    # Issue 14: an async save of a 2-D (hybrid) mesh logged torch's DeviceMesh PG-lookup warning
+    # from every rank's background process; the 1-rank baseline of --scaling-check ran at most
+    # 12 steps (11.6x "speedup" at --steps 10). Run from tmp_path so paths print short.
+    cmd = [sys.executable, "-m", "ckptool", "train", "--out", "run", "--nproc", "2", "--sharding", "hybrid",
+           "--async-save", "--steps", "6", "--save-every", "2", "--log-every", "2", "--batch-size", "8",
+           "--seq-len", "32", "--scaling-check"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    ours = re.compile(r"(training \d[\d,]* parameters on 2 ranks: .*|fresh start: steps 1\.\.6"
+                      r"|saving run/step_[246] \(training blocked \d+\.\d\d s\)"
+                      r"|step [246]/6  loss \d\.\d{4}  [\d,]+ tok/s  \d+ ms/step)")
+    foreign = [ln for ln in proc.stderr.splitlines() if not ours.fullmatch(ln)]
+    assert foreign == [], proc.stderr  # no DeviceMesh warnings, no DCP daemon chatter
+    lines = proc.stdout.splitlines()
+    assert all(len(ln) <= 80 for ln in proc.stderr.splitlines() + lines), proc.stdout
+    scaling = [ln for ln in lines if ln.startswith("scaling: ")]
+    assert len(scaling) == 1, proc.stdout
+    assert re.fullmatch(r"scaling: \d+\.\d\dx on 2 ranks, \d+% efficiency \(same batch, 5 timed steps\)",
+                        scaling[0]), scaling

@@ -60,9 +60,9 @@ def test_config_round_trip_and_unknown_keys():
 
 
 def test_invalid_sizes_are_config_errors():
-    with pytest.raises(ConfigError, match="not divisible by n_heads"):
+    with pytest.raises(ConfigError, match="not divisible by --heads"):
         ModelConfig(d_model=10, n_heads=4)
-    with pytest.raises(ConfigError, match="unknown model size 'huge'"):
+    with pytest.raises(ConfigError, match="--model huge: unknown model size"):
         model_config("huge")
     with pytest.raises(ConfigError, match="at least 1"):
         model_config("tiny", n_layers=0)
