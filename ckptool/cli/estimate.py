@@ -12,6 +12,7 @@ import click
 from ckptool.cli._common import echo_json, parse_size
 from ckptool.ops.estimate import (ACTIVATION_CHECKPOINTING, ALIASES, OPTIMIZERS, PRECISIONS, STRATEGIES, Estimate,
                                   Terms, fmt_bytes)
+from ckptool.errors import ConfigError
 from ckptool.train.sizes import PRESETS
 
 _SUFFIX = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
@@ -64,11 +65,30 @@ def estimate_cmd(params: int | None, model: str | None, ranks: int, strategy: st
     16 B/param of state (fp32 params 4, fp32 grads 4, optimizer 8), divided by the ranks it
     is sharded over. Sizes are decimal (1 GB = 10^9 bytes).
 
+    Exit status: 0 when it fits, 1 when it does not (the table and what to try are printed
+    either way), 2 for a usage error.
+
     \b
     Examples:
       ckptool estimate --params 7e9 --ranks 8
       ckptool estimate --model 1b --ranks 8 --batch-size 64 --seq-len 1024
     """
+    try:
+        est = _estimate(params, model, ranks, strategy, hybrid_shard_size, precision, optimizer, cpu_offload,
+                        ac, batch_size, seq_len, gpu_memory, shape)
+    except ConfigError as e:  # a bad option value or combination: a usage error, as click's own
+        raise click.UsageError(" ".join(str(e).split())) from e
+    if json_out:
+        echo_json(est.to_dict())
+    else:
+        click.echo(render(est))
+    if est.verdict is not None and not est.verdict.fits:
+        raise SystemExit(1)
+
+
+def _estimate(params: int | None, model: str | None, ranks: int, strategy: str, hybrid_shard_size: int | None,
+              precision: str, optimizer: str, cpu_offload: bool, ac: str, batch_size: int | None,
+              seq_len: int | None, gpu_memory: str, shape: dict[str, int | None]) -> Estimate:
     from ckptool.ops.estimate import estimate, resolve_model
 
     given = {k: v for k, v in shape.items() if v is not None}
@@ -81,14 +101,10 @@ def estimate_cmd(params: int | None, model: str | None, ranks: int, strategy: st
         if model is None and seq_len is not None:
             given.setdefault("max_seq_len", seq_len)
         cfg = resolve_model(model, n_layers=given.pop("layers", None), n_heads=given.pop("heads", None), **given)
-    est = estimate(params=params, model=cfg, ranks=ranks,
-                   strategy=strategy, hybrid_shard_size=hybrid_shard_size, precision=precision,
-                   optimizer=optimizer, cpu_offload=cpu_offload, activation_checkpointing=ac,
-                   batch_size=batch_size, seq_len=seq_len, gpu_memory=parse_size(gpu_memory))
-    if json_out:
-        echo_json(est.to_dict())
-    else:
-        click.echo(render(est))
+    return estimate(params=params, model=cfg, ranks=ranks,
+                    strategy=strategy, hybrid_shard_size=hybrid_shard_size, precision=precision,
+                    optimizer=optimizer, cpu_offload=cpu_offload, activation_checkpointing=ac,
+                    batch_size=batch_size, seq_len=seq_len, gpu_memory=parse_size(gpu_memory, option="--gpu-memory"))
 
 
 ROWS = (("parameters", "params_bytes"), ("gradients", "grads_bytes"), ("optimizer state", "optim_bytes"),

@@ -54,7 +54,7 @@ def test_seed_7b_cli_table_and_verdicts():
     assert "model state, one full copy: 112.0 GB" in res.output
 
     ddp = _cli("--params", "7B", "--ranks", "8", "--strategy", "ddp")
-    assert ddp.exit_code == 0
+    assert ddp.exit_code == 1  # it does not fit
     assert ("does not fit: needs 112.0 GB (state only) of 80.0 GB per GPU, 32.0 GB over; "
             "try --strategy full-shard (14.0 GB, fits)") in ddp.output
 
@@ -217,7 +217,7 @@ def test_json_keys():
     (["--model", "huge"], "Invalid value for '--model': 'huge' is not one of 'tiny'"),
     (["--params", "7e9", "--model", "tiny"], "exclusive"),
     ([], "pass --params N, or a model"),
-    (["--params", "7e9", "--gpu-memory", "lots"], "is not a size"),
+    (["--params", "7e9", "--gpu-memory", "lots"], "Invalid value for --gpu-memory: 'lots' is not a size"),
 ])
 def test_usage_errors_exit_2(args, words):
     res = _cli(*args)
@@ -229,13 +229,25 @@ def test_usage_errors_exit_2(args, words):
     (["--params", "7e9", "--batch-size", "8"], "need a model shape"),
     (["--params", "7e9", "--ranks", "6", "--strategy", "hybrid", "--hybrid-shard-size", "4"],
      "hybrid shard size 4 does not divide 6 ranks"),
-    (["--model", "tiny", "--heads", "5"], "d_model 64 is not divisible by n_heads 5"),
+    (["--model", "tiny", "--heads", "5"], "--d-model 64 is not divisible by --heads 5"),
     (["--model", "tiny", "--seq-len", "65"], "--seq-len 65 exceeds the model's max_seq_len 64"),
 ])
-def test_config_errors_exit_1_one_line(args, words):
+def test_bad_combinations_are_usage_errors_exit_2(args, words):
     proc = subprocess.run([sys.executable, "-m", "ckptool", "estimate", *args], capture_output=True, text=True)
-    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
-    assert proc.stderr.startswith("error: ") and words in proc.stderr
+    assert proc.returncode == 2, proc.stderr
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("Error: ")]
+    assert len(errors) == 1 and words in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_does_not_fit_exits_1_and_fits_exits_0():
+    # The verdict is the exit status, so a script can gate a launch on it (--json too).
+    fits = _cli("--params", "7e9", "--ranks", "8")
+    assert fits.exit_code == 0 and "fits with" in fits.output
+    ddp = _cli("--params", "7e9", "--ranks", "8", "--strategy", "ddp")
+    assert ddp.exit_code == 1 and "does not fit" in ddp.output
+    as_json = _cli("--params", "7e9", "--ranks", "8", "--strategy", "ddp", "--json")
+    assert as_json.exit_code == 1 and json.loads(as_json.output)["verdict"]["fits"] is False
 
 
 def test_library_errors():
