@@ -76,6 +76,9 @@ def run_dist(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float
                 if p.is_alive():
                     p.kill()
                     p.join()
+            for path in ctx.error_files:  # torch names one per rank and never removes it
+                if path and os.path.exists(path):
+                    os.unlink(path)
         results = []
         for rank in range(world_size):
             with open(os.path.join(tmp, f"result_{rank}.pkl"), "rb") as f:

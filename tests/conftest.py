@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,31 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))  # tests/factory.py, tests/_dist.py
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # many small ranks on 2 cores
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _temp_folder_left_clean(tmp_path_factory):
+    """Every temporary file of the session (this process and its children: TMPDIR) goes to one
+    folder, which must hold no ``pytorch-errorfile-*.pickle`` at the end.
+
+    ``torch.multiprocessing.start_processes`` names one such file per spawned rank in the temp
+    folder; a rank that raises writes its traceback there and torch never removes it. The
+    launcher (``ckptool.train.launch.spawn``) and ``tests/_dist.run_dist`` remove them; this
+    fails the session if anything leaves one (and keeps /tmp clean either way).
+    """
+    folder = tmp_path_factory.mktemp("tmp")
+    saved_env, saved_tempdir = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"] = tempfile.tempdir = str(folder)
+    try:
+        yield folder
+    finally:
+        tempfile.tempdir = saved_tempdir
+        if saved_env is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = saved_env
+    left = sorted(p.name for p in folder.glob("pytorch-errorfile-*"))
+    assert not left, f"the tests left torch error files in the temp folder: {left}"
 
 
 @pytest.fixture(scope="session")
