@@ -6,7 +6,8 @@
 
 ``ckptool consolidate`` records the model config of a ``ckptool train`` checkpoint in the
 file's header (``ckptool_model_config``), so the model is rebuilt from the file alone; for
-other files give the size with ``--model`` and the override flags. Works with one
+other files give the size with ``--model`` and the flags ``ckptool train`` uses (``--layers``,
+``--heads``, ``--d-model``, ``--vocab``, ``--d-ff``, ``--max-seq-len``). Works with one
 ``.safetensors`` file or a folder of shards with ``model.safetensors.index.json``. Tokens are
 bytes (vocabulary 256), as in ``ckptool train``'s data.
 """
@@ -23,6 +24,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ckptool.train.model import GPT, ModelConfig, model_config
+from ckptool.train.sizes import FLAGS as _SIZE_FLAGS
+
+FLAGS = {flag: field for field, flag in _SIZE_FLAGS.items()}  # --layers -> n_layers, ...
 
 
 def _files(path: Path) -> list[Path]:
@@ -84,14 +88,17 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=40)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None, help="preset when the file records no config")
-    for name in ("vocab", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
-        ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
+    # The size flags of 'ckptool train' (--layers, --heads, ...), for files without a config.
+    for flag, field in FLAGS.items():
+        ap.add_argument(flag, dest=field, type=int, default=None)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="CPU threads (default 1: sampling one token at a time from a small model is "
+                         "latency-bound; more threads spend more on synchronisation than they save)")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     cfg = None
     if args.model is not None:
-        cfg = model_config(args.model, vocab=args.vocab, d_model=args.d_model,
-                           n_layers=args.n_layers, n_heads=args.n_heads, d_ff=args.d_ff,
-                           max_seq_len=args.max_seq_len)
+        cfg = model_config(args.model, **{field: getattr(args, field) for field in FLAGS.values()})
     model = load_model(args.weights, cfg)
     prompt = args.prompt.encode("utf-8")
     out = generate(model, prompt, args.tokens, temperature=args.temperature, top_k=args.top_k,
