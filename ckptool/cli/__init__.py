@@ -65,8 +65,8 @@ def cli(verbose: int) -> None:
     Typical session:
       ckptool train --out runs/demo            # short FSDP2 demo run, saves step_N/
       ckptool ls runs/demo                     # what is there, which is good
-      ckptool validate runs/demo/step_40       # prove a checkpoint is complete
-      ckptool consolidate runs/demo/step_40 model.safetensors
+      ckptool validate runs/demo/step_300      # prove a checkpoint is complete
+      ckptool consolidate runs/demo/step_300 model.safetensors
 
     Set CKPTOOL_DEBUG=1 to see tracebacks.
     """

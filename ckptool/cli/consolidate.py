@@ -54,8 +54,8 @@ def consolidate_cmd(checkpoint: str, output: str, dtype: str | None, max_shard_s
 
     \b
     Examples:
-      ckptool consolidate runs/demo/step_40 model.safetensors
-      ckptool consolidate runs/demo/step_40 hf_out/ --dtype bfloat16 --max-shard-size 2GB
+      ckptool consolidate runs/demo/step_300 model.safetensors
+      ckptool consolidate runs/demo/step_300 hf_out/ --dtype bfloat16 --max-shard-size 2GB
     """
     from ckptool.ops.consolidate import consolidate
 

@@ -22,7 +22,7 @@ def inspect_cmd(checkpoint: str, model_key: str | None, keep_wrappers: bool,
 
     \b
     Example:
-      ckptool inspect runs/demo/step_40
+      ckptool inspect runs/demo/step_300
     """
     from ckptool.ops.inspect import GROUPS, inspect
 

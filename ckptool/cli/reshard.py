@@ -31,8 +31,8 @@ def reshard_cmd(src: str, dst: str | None, to: int, from_: int | None, force: bo
 
     \b
     Examples:
-      ckptool reshard runs/demo/step_40 --from 8 --to 4
-      ckptool reshard runs/demo/step_40 single/ --to 1 --json
+      ckptool reshard runs/demo/step_300 --from 2 --to 4
+      ckptool reshard runs/demo/step_300 single/ --to 1 --json
     """
     from ckptool.ops.reshard import reshard
 

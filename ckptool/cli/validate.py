@@ -31,7 +31,7 @@ def validate_cmd(checkpoint: str, deep: bool, world_size: int | None, json_out: 
 
     \b
     Example:
-      ckptool validate runs/demo/step_40 --deep
+      ckptool validate runs/demo/step_300 --deep
     """
     from ckptool.ops.validate import validate
 
