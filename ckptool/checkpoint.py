@@ -44,6 +44,8 @@ from ckptool.storage import Storage, is_url
 logger = logging.getLogger(__name__)
 
 RESERVED = ("model", "optim")
+#: Where a checkpoint keeps its Hugging Face asset files (as ``ckptool import`` writes them).
+ASSETS_DIR = "hf_assets"
 
 
 @dataclass
@@ -126,7 +128,10 @@ def step_checkpoints(run: str | os.PathLike[str]) -> list[layout.CheckpointDir]:
         return []
     else:
         found = layout.list_checkpoints(run)
-    return [c for c in found if c.step is not None and c.name == f"step_{c.step}"]
+    # Only DCP folders: a step folder of safetensors (an HF-format export) is neither resumed
+    # from nor deleted by retention.
+    return [c for c in found if c.step is not None and c.name == f"step_{c.step}"
+            and c.kind == "dcp"]
 
 
 def retention_victims(found: list[layout.CheckpointDir], keep: int, *,
@@ -165,6 +170,9 @@ class Checkpointer:
         config: JSON-able dict recorded in each manifest (e.g. the training config).
         hf_config: a Hugging Face ``PretrainedConfig`` (or its dict) of the model: recorded as
             ``config["hf_config"]``, so ``consolidate`` and ``upload`` write its ``config.json``.
+        hf_assets: asset file name (``config.json``, tokenizer files, ...) -> bytes: written
+            into every checkpoint's ``hf_assets/`` and listed as ``config["hf_assets"]`` (as
+            ``ckptool import`` does), so ``consolidate`` and ``upload`` export them too.
 
     Example:
         >>> ckpt = Checkpointer("runs/x", keep=2)
@@ -174,7 +182,8 @@ class Checkpointer:
     """
 
     def __init__(self, out_dir: str | os.PathLike[str], keep: int = 3, async_save: bool = False, *,
-                 config: dict[str, Any] | None = None, hf_config: Any = None) -> None:
+                 config: dict[str, Any] | None = None, hf_config: Any = None,
+                 hf_assets: dict[str, bytes] | None = None) -> None:
         if keep < 0:
             raise ConfigError(f"keep must be 0 (keep all) or positive, got {keep}")
         # A URL stays a string: Path() would fold "s3://" into "s3:/".
@@ -185,6 +194,9 @@ class Checkpointer:
         if hf_config is not None:  # a transformers PretrainedConfig or its dict
             cfg = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
             self.config["hf_config"] = cfg
+        self.hf_assets = dict(hf_assets or {})
+        if self.hf_assets:
+            self.config["hf_assets"] = {name: f"{ASSETS_DIR}/{name}" for name in sorted(self.hf_assets)}
         self.stats = SaveStats()
         self.last_loaded: str | None = None
         self._pending: _Pending | None = None
@@ -244,9 +256,22 @@ class Checkpointer:
         dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(path))
         if _rank() == 0:
             storage = Storage.open(path)
-            mf.write_manifest(storage, mf.build_manifest(storage, step=step, world_size=_world_size(),
-                                                         loss=loss, config=self.config))
+            manifest = mf.build_manifest(storage, step=step, world_size=_world_size(), loss=loss,
+                                         config=self.config)
+            manifest.files.update(self._write_assets(storage))
+            mf.write_manifest(storage, manifest)
         return path
+
+    def _write_assets(self, storage: Storage) -> dict[str, dict[str, Any]]:
+        """Write ``hf_assets`` into the checkpoint (rank 0, before its manifest); their entries."""
+        out = {}
+        for name, data in sorted(self.hf_assets.items()):
+            rel = f"{ASSETS_DIR}/{name}"
+            storage.makedirs(ASSETS_DIR)
+            storage.write_bytes(rel, data)
+            size, digest = mf.file_checksum(storage, rel)
+            out[rel] = {"size": size, mf.CHECKSUM: digest}
+        return out
 
     @staticmethod
     def _check_extra(extra: dict[str, Any] | None) -> dict[str, Any]:
@@ -324,6 +349,7 @@ class Checkpointer:
         storage = Storage.open(path)
         manifest = mf.build_manifest(storage, step=step, world_size=_world_size(), loss=loss,
                                      config=self.config)
+        manifest.files.update(self._write_assets(storage))
         mf.write_manifest(storage, manifest)
         if local:
             _fsync_dir(path)

@@ -311,3 +311,21 @@ def test_shards_with_a_rank_gap_are_incomplete(hf_ckpts, tmp_path, capsys):
                 ckpt / "shard-00001-model-00001-of-00002.safetensors")
     code, _, err = _cli(capsys, "validate", str(ckpt))
     assert code == 1 and "incomplete" in err and "no shard of rank 1" in err
+
+
+def test_checkpointer_neither_resumes_from_nor_deletes_an_hf_step_folder(hf_ckpts, tmp_path):
+    """A step_N folder of safetensors in a ckptool run is read by the read-side commands, but
+    resume (dcp.load) and retention leave it alone."""
+    import torch.distributed.checkpoint as dcp
+
+    from ckptool.checkpoint import latest_valid, retention_victims, step_checkpoints
+
+    run = tmp_path / "run"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(_state(seed=1), checkpoint_id=str(run / "step_10"))
+    _copy(hf_ckpts["rank0-map"], run / "step_20")
+    assert resolve_checkpoint(run).name == "step_20"  # read side: the newest checkpoint
+    assert [c.name for c in step_checkpoints(run)] == ["step_10"]
+    assert latest_valid(run).name == "step_10"
+    assert retention_victims(step_checkpoints(run), keep=1) == []
