@@ -55,9 +55,10 @@ class SourceError(CorruptCheckpointError):
     """A problem with a safetensors checkpoint; ``code`` is the validate finding code."""
 
     def __init__(self, code: str, message: str, *, path: str | None = None,
-                 hint: str | None = None) -> None:
+                 hint: str | None = None, what: str | None = None) -> None:
         super().__init__(message, path=path, hint=hint)
         self.code = code
+        self.what = what or message  # the problem without the file name, for re-wording
 
 
 class SourceIncomplete(IncompleteCheckpointError):
@@ -102,7 +103,7 @@ def read_header(storage: Storage, rel: str, *, size: int | None = None) -> Heade
     size = storage.size(rel) if size is None else size
 
     def bad(code: str, what: str) -> SourceError:
-        return SourceError(code, f"{where}: {what}", path=where,
+        return SourceError(code, f"{where}: {what}", path=where, what=what,
                            hint="The file is damaged or was not written completely")
 
     if size < 8:

@@ -148,36 +148,6 @@ def index_json(layouts: list[FileLayout], metadata: dict[str, str] | None = None
     return (json.dumps({"metadata": meta, "weight_map": weight_map}, indent=2) + "\n").encode()
 
 
-def read_header(path: str | os.PathLike[str]) -> tuple[dict[str, object], int]:
-    """Parse the header of a ``.safetensors`` file without reading its data (torch-free).
-
-    Returns:
-        (header dict, absolute offset where the data starts).
-
-    Raises:
-        CorruptCheckpointError: not a safetensors file, or a header that lies past its end.
-    """
-    with open(path, "rb") as f:
-        prefix = f.read(8)
-        if len(prefix) != 8:
-            raise CorruptCheckpointError(f"{path} is too short to be a safetensors file")
-        (n,) = struct.unpack("<Q", prefix)
-        if n > MAX_HEADER:
-            raise CorruptCheckpointError(f"{path}: header length {n} is not plausible")
-        text = f.read(n)
-    try:
-        header = json.loads(text)
-    except ValueError as e:
-        raise CorruptCheckpointError(f"{path}: header is not JSON ({e})") from None
-    if not isinstance(header, dict) or not all(
-            isinstance(v, dict) for k, v in header.items() if k != "__metadata__"):
-        raise CorruptCheckpointError(f"{path}: header is not a safetensors header object")
-    for name, info in header.items():
-        if name != "__metadata__" and info.get("dtype") not in BY_SAFETENSORS:
-            raise CorruptCheckpointError(f"{path}: {name} has unknown dtype {info.get('dtype')!r}")
-    return header, 8 + n
-
-
 class OutputFile:
     """One ``.safetensors`` file being written: header at open, data by positioned writes.
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import sys
 import tempfile
@@ -32,8 +31,7 @@ from typing import Any
 
 from ckptool._version import __version__
 from ckptool.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, HubError
-from ckptool.format.dtypes import BY_SAFETENSORS
-from ckptool.format.safetensors_writer import INDEX_NAME, SINGLE_NAME, read_header
+from ckptool.format.safetensors_writer import INDEX_NAME, SINGLE_NAME
 from ckptool.format.hf_source import ASSET_NAMES
 from ckptool.ops.model_card import MODEL_TYPE, CardFacts, model_card, model_config_json
 from ckptool.storage import is_url
@@ -225,37 +223,28 @@ def _check_weights(folder: str | os.PathLike[str]) -> _Weights:
 
 
 def _check_file(path: Path) -> tuple[dict[str, tuple[str, int]], dict[str, str]]:
-    """(name -> (dtype, data bytes), ``__metadata__``) of a file whose tensors tile its data."""
+    """(name -> (dtype, data bytes), ``__metadata__``) of a file whose tensors tile its data.
+
+    The header is checked by the one safetensors reader (``safetensors_source.read_header``:
+    bounds, dtypes, sizes, overlaps); here, also that the tensors leave no gap or tail."""
+    from ckptool.format.safetensors_source import SourceError, read_header
+    from ckptool.storage import Storage
+
     where = _shown(path)
     try:
-        header, start = read_header(path)
-        tensors = {k: v for k, v in header.items() if k != "__metadata__"}
-        spans = sorted((_span(name, info), name, info) for name, info in tensors.items())
-    except (CorruptCheckpointError, AttributeError, TypeError, ValueError) as e:
-        raise _bad(where, f"not a valid safetensors header ({e})") from None
-    out, end = {}, 0
-    for (begin, stop), name, info in spans:
-        dt = BY_SAFETENSORS[info["dtype"]]
-        nbytes = math.prod(info["shape"]) * dt.itemsize
-        if begin != end or stop - begin != nbytes:
-            raise _bad(where, f"tensor {name} has data_offsets [{begin}, {stop}], expected "
-                              f"[{end}, {end + nbytes}] for {dt.name}{list(info['shape'])}")
-        out[name], end = (dt.name, nbytes), stop
-    size = path.stat().st_size
-    if start + end != size:
-        raise _bad(where, f"the tensors end at byte {start + end} but the file has {size} bytes "
+        header = read_header(Storage.open(path.parent), path.name)
+    except SourceError as e:
+        raise _bad(where, f"not a valid safetensors file: {e.what}") from None
+    out, end = {}, header.header_bytes
+    for t in header.tensors.values():  # data order
+        if t.start != end:
+            raise _bad(where, f"tensor {t.name} starts at byte {t.start}, expected {end} "
+                              "(a gap in the data)")
+        out[t.name], end = (t.dtype.name, t.nbytes), t.start + t.nbytes
+    if end != header.size:
+        raise _bad(where, f"the tensors end at byte {end} but the file has {header.size} bytes "
                           "(truncated or with trailing data)")
-    meta = header.get("__metadata__")
-    return out, ({str(k): str(v) for k, v in meta.items()} if isinstance(meta, dict) else {})
-
-
-def _span(name: str, info: Any) -> tuple[int, int]:
-    offsets, shape = info["data_offsets"], info["shape"]
-    ok = (isinstance(offsets, list) and len(offsets) == 2 and isinstance(shape, list)
-          and all(isinstance(v, int) and v >= 0 for v in [*offsets, *shape]))
-    if not ok:
-        raise ValueError(f"tensor {name} has a malformed shape or data_offsets")
-    return offsets[0], offsets[1]
+    return out, dict(header.metadata)
 
 
 def _check_index(index: Path, held: dict[str, dict[str, tuple[str, int]]]) -> None:

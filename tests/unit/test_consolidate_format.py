@@ -11,8 +11,10 @@ import torch
 
 from ckptool.errors import CkptError, CorruptCheckpointError
 from ckptool.format.dtypes import DTYPES
+from ckptool.format.safetensors_source import read_header
+from ckptool.storage import Storage
 from ckptool.format.safetensors_writer import (OutputFile, TensorSpec, cast_bytes, index_json,
-                                               plan_file, read_header, shard_filenames,
+                                               plan_file, shard_filenames,
                                                split_shards)
 
 F32, BF16, F16, F64 = (DTYPES[n] for n in ("float32", "bfloat16", "float16", "float64"))
@@ -44,8 +46,8 @@ def test_output_file_places_tensors_in_any_order(tmp_path):
         assert f.metadata() == {"format": "pt", "source_step": "7"}
         for name, v in vals.items():
             assert torch.equal(f.get_tensor(name), v)
-    header, start = read_header(path)
-    assert start % 8 == 0 and header["a"]["data_offsets"] == [0, 12]
+    header = read_header(Storage.open(path.parent), path.name)
+    assert header.header_bytes % 8 == 0 and header.tensors["a"].start == header.header_bytes
 
 
 def test_verify_catches_bytes_changed_on_disk(tmp_path):
