@@ -25,6 +25,11 @@ def echo_json(obj: Any) -> None:
     click.echo(json.dumps(to_jsonable(obj), indent=2, sort_keys=False))
 
 
+def plural(n: int, word: str) -> str:
+    """'1 rank', '2 ranks'."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":

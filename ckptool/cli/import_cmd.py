@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ckptool.cli._common import byte_progress, echo_json, human_bytes, progress_enabled
+from ckptool.cli._common import plural, byte_progress, echo_json, human_bytes, progress_enabled
 
 
 @click.command("import")
@@ -46,7 +46,8 @@ def import_cmd(src: str, dst: str, ranks: int, dtype: str, force: bool, verify: 
         echo_json(result)
         return
     casts = ", ".join(f"{a} -> {b}" for a, b in sorted(result.dtypes.items()))
-    click.echo(f"wrote {result.destination}: {result.world_size} ranks, {result.tensors} tensors"
+    click.echo(f"wrote {result.destination}: {plural(result.world_size, 'rank')}, "
+               f"{result.tensors} tensors"
                f"{f' ({len(result.tied)} tied)' if result.tied else ''}, "
                f"{human_bytes(result.bytes)}{f' ({casts})' if casts else ''} in "
                f"{result.seconds:.1f} s{' (verified)' if result.verified else ' (not verified)'}")

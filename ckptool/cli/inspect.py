@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ckptool.cli._common import echo_json, echo_note, human_bytes, model_key_options
+from ckptool.cli._common import plural, echo_json, echo_note, human_bytes, model_key_options
 
 
 @click.command("inspect")
@@ -48,7 +48,7 @@ def inspect_cmd(checkpoint: str, model_key: str | None, keep_wrappers: bool,
             if k.kind == "tensor":
                 shape = "x".join(map(str, k.shape)) if k.shape else "scalar"
                 click.echo(f"  {k.fqn:<{width}}  {k.dtype:<9} {shape:<16} "
-                           f"{k.chunks:>3} chunks  {human_bytes(k.bytes):>10}")
+                           f"{plural(k.chunks, 'chunk'):>10}  {human_bytes(k.bytes):>10}")
             else:
                 click.echo(f"  {k.fqn:<{width}}  {'object':<9} {'':<16} {'':>10}  "
                            f"{human_bytes(k.bytes):>10}")

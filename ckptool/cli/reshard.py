@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ckptool.cli._common import byte_progress, echo_json, human_bytes, progress_enabled
+from ckptool.cli._common import plural, byte_progress, echo_json, human_bytes, progress_enabled
 
 
 @click.command("reshard")
@@ -23,7 +23,8 @@ def reshard_cmd(src: str, dst: str | None, to: int, from_: int | None, force: bo
                 verify: bool, json_out: bool) -> None:
     """Rewrite checkpoint SRC so that rank r of M ranks reads exactly one file.
 
-    The output (DST, default SRC-wsM beside SRC) holds __r_0.distcp for r in
+    The output (DST; default for RUN/step_N: RUN-wsM/step_N, a new run that
+    'ckptool train --out RUN-wsM --nproc M' resumes; else SRC-wsM) holds __r_0.distcp for r in
     0..M-1, each with what rank r owns under FSDP2's layout for M ranks (model
     and optimizer state, Shard(0) as torch.chunk splits it), plus .metadata and
     ckptool.json. Bytes are copied exactly, streaming; memory does not grow
@@ -43,7 +44,7 @@ def reshard_cmd(src: str, dst: str | None, to: int, from_: int | None, force: bo
         echo_json(result)
         return
     ranks = result.source_world_size if result.source_world_size is not None else "?"
-    click.echo(f"wrote {result.destination}: {result.world_size} ranks (from {ranks}), "
+    click.echo(f"wrote {result.destination}: {plural(result.world_size, 'rank')} (from {ranks}), "
                f"{result.tensors} tensors, {result.objects} other values, "
                f"{human_bytes(result.bytes)} in {result.seconds:.1f} s"
                f"{' (verified)' if result.verified else ' (not verified)'}")

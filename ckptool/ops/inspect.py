@@ -11,7 +11,7 @@ from typing import Any
 
 from ckptool.errors import CkptError
 from ckptool.format import manifest as mf
-from ckptool.format.layout import CheckpointDir, list_checkpoints, resolve_checkpoint
+from ckptool.format.layout import CheckpointDir, classify, list_checkpoints, resolve_checkpoint
 from ckptool.format.metadata import read_metadata
 from ckptool.format.state_layout import describe, read_layout
 from ckptool.ops.validate import validate
@@ -140,7 +140,10 @@ def list_run(run: str | os.PathLike[str]) -> list[RunEntry]:
     Example:
         >>> [e.name for e in list_run("runs/demo") if e.status == "complete"]
     """
-    entries = [_entry(c) for c in list_checkpoints(run)]
+    storage = Storage.open(run)
+    own = classify(storage) if storage.isdir() else None
+    found = [own] if own is not None else list_checkpoints(storage)  # a checkpoint lists itself
+    entries = [_entry(c) for c in found]
     good = [i for i, e in enumerate(entries) if e.status == "complete"]
     if good:
         i = good[-1]
@@ -159,5 +162,9 @@ def _entry(ckpt: CheckpointDir) -> RunEntry:
         return RunEntry(ckpt.name, ckpt.url, ckpt.step, "incomplete", None, size, mtime)
     report = validate(ckpt)
     status = "complete" if report.ok else "invalid"
-    return RunEntry(ckpt.name, ckpt.url, ckpt.step, status, report.world_size, size, mtime,
+    step = ckpt.step
+    if step is None:  # final_model, step_300-ws4: the manifest knows the step
+        man = _manifest(ckpt.part(ckpt.model_part))
+        step = man.step if man is not None else None
+    return RunEntry(ckpt.name, ckpt.url, step, status, report.world_size, size, mtime,
                     problems=tuple(f.message for f in report.errors))

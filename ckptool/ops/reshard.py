@@ -88,7 +88,7 @@ def reshard(src: str | os.PathLike[str], dst: str | os.PathLike[str] | None = No
     Args:
         src: a committed DCP checkpoint folder (``step_N``, ``step-N`` or plain; also DCP's
             safetensors storage, whose ranges are copied as they are), local or URL.
-        dst: a local folder to create; default: beside ``src``, named ``<src>-ws<world_size>``.
+        dst: a local folder to create; default: ``default_destination(src, world_size)``.
         world_size: ranks of the new layout (1 gives a single-file checkpoint).
         expect_from: if given, the rank count ``src`` must have been saved with.
         force: replace an existing ``dst``.
@@ -178,18 +178,23 @@ def _source_world_size(ckpt: CheckpointDir, meta: CheckpointMetadata,
 def default_destination(src: str | os.PathLike[str], world_size: int) -> Path:
     """Where ``reshard`` writes when no destination is given.
 
+    A step checkpoint of a run goes to a new run folder beside the run, under the same step
+    name (``runs/demo/step_300`` -> ``runs/demo-ws4/step_300``), where ``ckptool train --out
+    runs/demo-ws4 --nproc 4`` resumes from it; never into the source run, where resume and
+    retention would take it for one of that run's checkpoints. Any other folder gets a
+    sibling ``<name>-ws<world_size>``.
+
     Args:
         src: a local checkpoint folder.
         world_size: the new rank count.
 
-    Returns:
-        ``<parent>/<name>-ws<world_size>``, beside ``src``.
-
     Example:
-        >>> default_destination("runs/demo/step_1000", 4).name
-        'step_1000-ws4'
+        >>> default_destination("runs/demo/step_1000", 4).parts[-2:]
+        ('demo-ws4', 'step_1000')
     """
     p = Path(os.path.abspath(os.fspath(src))).resolve()
+    if step_of(p.name) is not None:
+        return p.parent.with_name(f"{p.parent.name}-ws{world_size}") / p.name
     return p.with_name(f"{p.name}-ws{world_size}")
 
 

@@ -69,3 +69,24 @@ def test_run_folder_means_latest_committed(single_ckpt, tmp_path):
 def test_empty_run_folder_ls_exit_1(tmp_path):
     res = CliRunner().invoke(cli, ["ls", str(tmp_path)])
     assert res.exit_code == 1
+
+
+def test_ls_of_a_checkpoint_lists_it_and_takes_the_step_from_the_manifest(single_ckpt, tmp_path):
+    """`ls runs/demo/step_300` used to say "no checkpoints"; `final_model` showed step "-"."""
+    import json
+    import shutil
+
+    from ckptool.format import manifest as mf
+    from ckptool.storage import Storage
+
+    run = tmp_path / "run"
+    shutil.copytree(single_ckpt, run / "step_10")
+    shutil.copytree(single_ckpt, run / "final_model")
+    st = Storage.open(run / "final_model")
+    mf.write_manifest(st, mf.build_manifest(st, step=12, world_size=1))
+    r = CliRunner().invoke(cli, ["ls", str(run / "step_10"), "--json"])
+    assert r.exit_code == 0, r.output
+    assert [(e["name"], e["step"], e["status"]) for e in json.loads(r.output)] == \
+        [("step_10", 10, "complete")]
+    r = CliRunner().invoke(cli, ["ls", str(run), "--json"])
+    assert {e["name"]: e["step"] for e in json.loads(r.output)} == {"step_10": 10, "final_model": 12}

@@ -213,13 +213,15 @@ def test_real_single_rank_dcp_save_to_three_and_to_one(single_ckpt, tmp_path):
 
 
 def test_manifest_rewritten_for_new_layout(tmp_path):
-    src = tmp_path / "step_7"
+    src = tmp_path / "demo" / "step_7"
     make_source(src, 3)
     mf.write_manifest(Storage.open(src), mf.build_manifest(
         Storage.open(src), step=7, world_size=3, loss=1.25, config={"lr": 0.1}))
     r = reshard(src, world_size=2)
     out = Path(r.destination)
-    assert out == tmp_path / "step_7-ws2" == default_destination(src, 2)
+    # a new run beside the source run (resumable there), never inside the source run
+    assert out == tmp_path / "demo-ws2" / "step_7" == default_destination(src, 2)
+    assert sorted(p.name for p in (tmp_path / "demo").iterdir()) == ["step_7"]
     m = mf.read_manifest(Storage.open(out))
     assert (m.step, m.world_size, m.loss, m.config) == (7, 2, 1.25, {"lr": 0.1})
     assert m.source == {"path": str(src), "world_size": 3, "operation": "reshard"}
