@@ -110,8 +110,9 @@ class _errors:  # noqa: N801 - used like contextlib.contextmanager
             err = HubError(f"{self.where} is gated on {at}", hint="Accept its terms on the Hub "
                            "and log in ('hf auth login') or set HF_TOKEN")
         elif isinstance(e, RepositoryNotFoundError):
-            err = HubError(f"{self.where}: no such model repo on {at} (or it is private)",
-                           hint="Check the repo id, or log in ('hf auth login') for a private one")
+            err = HubError(f"{self.where}: no such model repo on {at} (or it is private), and no "
+                           "local folder of that name", hint="Check the path or repo id, or log "
+                           "in ('hf auth login') for a private repo")
         elif isinstance(e, RevisionNotFoundError):
             err = HubError(f"{self.where}: no such revision on {at}",
                            hint="Check the branch, tag or commit after '@'")
