@@ -473,6 +473,12 @@ class Checkpointer:
                 raise CorruptCheckpointError(f"{path} is not a loadable checkpoint: {problem}", path=str(path),
                                              hint=f"Run 'ckptool validate {path}' for details")
         model_sd, optim_sd = get_state_dict(model, optimizer)
+        shapes = {k: tuple(v.shape) for k, v in model_sd.items() if hasattr(v, "shape")}
+        problem = _broadcast(_model_mismatch(path, shapes) if _rank() == 0 else None)
+        if problem is not None:  # DCP would load the keys it is asked for and ignore the rest
+            raise IncompatibleCheckpointError(
+                f"cannot load {path} into this model: {problem}", path=str(path),
+                hint="Build the model the checkpoint was saved from, or start without it")
         state = {"model": model_sd, "optim": optim_sd, **self._check_extra(extra)}
         try:
             dcp.load(state, checkpoint_id=str(path))
@@ -639,6 +645,34 @@ def _validation_problem(path: str | os.PathLike[str]) -> str | None:
     except CkptError as e:  # missing path, not a checkpoint: every rank must hear about it
         return str(e)
     return None if report.ok else str(report.errors[0])
+
+
+def _model_mismatch(path: str | os.PathLike[str], shapes: dict[str, tuple[int, ...]]) -> str | None:
+    """How the checkpoint's model tensors differ from ``shapes`` (name -> global shape), if
+    they do: extra or missing tensors, or other shapes. Read with ckptool's safe reader."""
+    from ckptool.format.metadata import read_metadata
+    from ckptool.format.state_layout import Group, read_layout
+
+    storage = Storage.open(path)
+    meta = read_metadata(storage)
+    lay = read_layout(meta, keep_wrappers=True, ckptool_manifest=mf.read_manifest(storage) is not None)
+    saved = {lay.names[k]: meta.tensors[k].shape for k in lay.keys(Group.MODEL) if k in lay.names}
+    extra = sorted(set(saved) - set(shapes))
+    missing = sorted(set(shapes) - set(saved))
+    other = sorted(k for k in set(saved) & set(shapes) if saved[k] != shapes[k])
+
+    def some(names: list[str]) -> str:
+        return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+    if extra:
+        return f"the checkpoint has {len(extra)} tensors this model lacks ({some(extra)})"
+    if missing:
+        return f"this model has {len(missing)} tensors the checkpoint lacks ({some(missing)})"
+    if other:
+        k = other[0]
+        return (f"{k} is {list(saved[k])} in the checkpoint, {list(shapes[k])} in this model"
+                + (f" (and {len(other) - 1} more)" if len(other) > 1 else ""))
+    return None
 
 
 def _first_line(e: BaseException) -> str:

@@ -289,3 +289,32 @@ def test_without_planner_data_every_tensor_is_kept_and_the_choice_is_said(tmp_pa
     # the other reading, chosen by hand
     got = _export(path, tmp_path / "stripped.safetensors", model_key="model")
     assert "embed_tokens.weight" in got and "lm_head.weight" not in got
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpointer.load never loads part of a checkpoint silently
+
+
+@pytest.mark.parametrize("layers, shape, match", [
+    (2, 8, "the checkpoint has 4 tensors this model lacks"),   # fewer layers: DCP loads a part
+    (6, 8, "this model has 4 tensors the checkpoint lacks"),
+    (4, 6, r"0.bias is \[8\] in the checkpoint, \[6\] in this model \(and 7 more\)"),
+])
+def test_checkpointer_load_refuses_a_model_that_does_not_match(tmp_path, layers, shape, match):
+    from ckptool.checkpoint import Checkpointer
+
+    def net(n, d):
+        return torch.nn.Sequential(*[torch.nn.Linear(d, d) for _ in range(n)])
+
+    saved = net(4, 8)
+    ck = Checkpointer(tmp_path / "run")
+    ck.save(1, saved, torch.optim.AdamW(saved.parameters()))
+    other = net(layers, shape)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(IncompatibleCheckpointError, match=match):
+        ck.load(tmp_path / "run" / "step_1", other, torch.optim.AdamW(other.parameters()))
+    assert all(torch.equal(before[k], v) for k, v in other.state_dict().items())  # untouched
+    same = net(4, 8)
+    assert ck.load(tmp_path / "run" / "step_1", same, torch.optim.AdamW(same.parameters())) == 1
+    assert all(torch.equal(a, b) for a, b in zip(same.state_dict().values(),
+                                                 saved.state_dict().values()))
