@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from ckptool.cli._common import echo_json, human_bytes
+from ckptool.cli._common import byte_progress, echo_json, human_bytes, progress_enabled
 
 
 @click.command("validate")
@@ -35,7 +35,8 @@ def validate_cmd(checkpoint: str, deep: bool, world_size: int | None, json_out: 
     """
     from ckptool.ops.validate import validate
 
-    report = validate(checkpoint, deep=deep, world_size=world_size)
+    with byte_progress("validate", deep and progress_enabled(json_out)) as progress:
+        report = validate(checkpoint, deep=deep, world_size=world_size, progress=progress)
     if json_out:
         echo_json({"ok": report.ok, **{k: v for k, v in vars(report).items() if k != "metadata"}})
     else:

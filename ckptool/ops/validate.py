@@ -16,7 +16,8 @@ from __future__ import annotations
 import math
 import os
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
 from ckptool.errors import (
@@ -79,7 +80,8 @@ class Report:
 
 
 def validate(path: str | os.PathLike[str] | CheckpointDir, *, deep: bool = False,
-             world_size: int | None = None) -> Report:
+             world_size: int | None = None,
+             progress: Callable[[int, int], None] | None = None) -> Report:
     """Check that a checkpoint is complete and intact.
 
     Args:
@@ -88,6 +90,8 @@ def validate(path: str | os.PathLike[str] | CheckpointDir, *, deep: bool = False
         deep: also read every record: parse it, compare dtype and shape, verify CRC-32 and the
             manifest's checksums.
         world_size: if given, the rank count the checkpoint must have been saved with.
+        progress: with ``deep``, called as ``progress(bytes_done, bytes_total)`` from the
+            calling thread as files are read.
 
     Returns:
         A ``Report``; ``report.ok`` tells whether it is complete.
@@ -109,7 +113,7 @@ def validate(path: str | os.PathLike[str] | CheckpointDir, *, deep: bool = False
     total = nfiles = ntensors = 0
     ws: int | None = None
     for part in ckpt.parts:
-        checker = _PartCheck(ckpt.part(part), deep)
+        checker = _PartCheck(ckpt.part(part), deep, progress)
         checker.run()
         findings += checker.findings
         if checker.meta is not None:
@@ -155,9 +159,11 @@ def require_valid(ckpt: CheckpointDir, *, action: str) -> Report:
 class _PartCheck:
     """All checks of one DCP folder; collects findings instead of raising."""
 
-    def __init__(self, storage: Storage, deep: bool) -> None:
+    def __init__(self, storage: Storage, deep: bool,
+                 progress: Callable[[int, int], None] | None = None) -> None:
         self.st = storage
         self.deep = deep
+        self.progress = progress
         self.findings: list[Finding] = []
         self.meta: CheckpointMetadata | None = None
         self.world_size: int | None = None
@@ -336,9 +342,17 @@ class _PartCheck:
                 by_file[ref.relative_path].append((ref, fqn))
         jobs = sorted(by_file.items())
         workers = max(1, min(len(jobs), os.cpu_count() or 1, 4))  # pread and CRC-32 drop the GIL
+        total, done = sum(self.sizes[rel] for rel, _ in jobs), 0
         with ThreadPoolExecutor(workers) as pool:
-            for found in pool.map(lambda job: self._deep_file(*job), jobs):
-                self.findings.extend(found)
+            futs = {pool.submit(self._deep_file, rel, refs): rel for rel, refs in jobs}
+            results = {}
+            for fut in as_completed(futs):
+                results[futs[fut]] = fut.result()
+                done += self.sizes[futs[fut]]
+                if self.progress is not None:
+                    self.progress(done, total)
+        for rel, _ in jobs:  # findings in file order, whatever finished first
+            self.findings.extend(results[rel])
         if self.manifest is not None:
             self._deep_manifest()
         if self.found is not None and self.found.copy and self.ok_so_far():

@@ -90,3 +90,14 @@ def test_ls_of_a_checkpoint_lists_it_and_takes_the_step_from_the_manifest(single
         [("step_10", 10, "complete")]
     r = CliRunner().invoke(cli, ["ls", str(run), "--json"])
     assert {e["name"]: e["step"] for e in json.loads(r.output)} == {"step_10": 10, "final_model": 12}
+
+
+def test_validate_deep_reports_progress(single_ckpt):
+    from ckptool.ops.validate import validate
+
+    seen: list[tuple[int, int]] = []
+    report = validate(single_ckpt, deep=True, progress=lambda d, t: seen.append((d, t)))
+    assert report.ok and seen
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)  # never goes back
+    total = sum(p.stat().st_size for p in single_ckpt.glob("*.distcp"))
+    assert seen[-1] == (total, total)
