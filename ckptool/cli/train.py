@@ -65,6 +65,9 @@ def _options(f: Any) -> Any:
         click.option("--resume-from", type=click.Path(), help="Resume from this checkpoint folder."),
         click.option("--init-from", type=click.Path(),
                      help="Fresh run: start from these model weights (checkpoint or HF safetensors)."),
+        click.option("--hf-model", metavar="SRC", help="Fine-tune a transformers causal LM instead: HF model "
+                     "folder, Hub repo id, or a config.json (random init); needs ckptool[hf]."),
+        click.option("--trust-remote-code", **flag, help="Let --hf-model run the model folder's own code (auto_map)."),
         click.option("--config", type=file, help="YAML/JSON file of these options (dashes or underscores)."),
         click.option("--accelerate-config", type=file, help="Take FSDP settings from an Accelerate config file."),
         click.option("--log-every", type=int, help="Report progress every K steps." + _default("log_every")),

@@ -101,7 +101,9 @@ def untie(ck: CheckpointReader, selected: list[tuple[TensorEntry, str]],
     head = next((t for t, name in selected if name == HEAD), None)
     if head is None:
         return selected, None
-    partners = [(t, name) for t, name in selected if name != HEAD and "emb" in name
+    # Input embeddings: *embed_tokens*, *word_embeddings*, ... and GPT-2's transformer.wte.
+    partners = [(t, name) for t, name in selected if name != HEAD
+                and ("emb" in name or name.endswith("wte.weight"))
                 and t.shape == head.shape and t.dtype == head.dtype]
     for t, name in partners:
         if _equal(ck, head, t):

@@ -30,6 +30,15 @@ def flag(field: str) -> str:
     return FLAGS.get(field, "--" + field.replace("_", "-"))
 
 
+def require_transformers(option: str = "--hf-model") -> None:
+    """Raise ConfigError (a usage error) saying how to install transformers when it is missing."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        raise ConfigError(f"{option} needs the transformers package, which is not installed",
+                          hint="Install it with: pip install 'ckptool[hf]'")
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
     """Options of one training run. The defaults are the demo (tiny model, 2 CPU ranks).
@@ -112,6 +121,11 @@ class TrainConfig:
     """At the end, also save ``OUT/final_model/`` with model weights only."""
     device: str = "auto"
     """auto (CUDA when available), cpu or cuda."""
+    hf_model: str | None = None
+    """Train a transformers causal LM instead of the built-in model: a Hugging Face model
+    folder, a Hub repo id ``org/name[@revision]``, or a ``config.json`` alone (random init)."""
+    trust_remote_code: bool = False
+    """Let ``--hf-model`` run the model folder's own code (``auto_map`` in its config.json)."""
 
     def __post_init__(self) -> None:
         self._check_choices()
@@ -121,10 +135,12 @@ class TrainConfig:
         if self.data is not None and not os.path.isfile(self.data):
             raise ConfigError(f"--data {self.data} is not a file", path=self.data,
                               hint="Pass a text file (read as bytes) or omit --data for the demo corpus")
+        if self.hf_model is not None:
+            self._check_hf_model()
         mc = self.model_config()  # validates model sizes
         if mc.vocab < 256:
             raise ConfigError(f"--vocab {mc.vocab} is too small for byte-level tokens; use at least 256")
-        if self.effective_seq_len() > mc.max_seq_len:
+        if self.hf_model is None and self.effective_seq_len() > mc.max_seq_len:
             raise ConfigError(f"--seq-len {self.seq_len} exceeds the model's max_seq_len {mc.max_seq_len}",
                               hint="Lower --seq-len or raise --max-seq-len")
         if self.nproc is not None:
@@ -138,6 +154,13 @@ class TrainConfig:
         if self.mixed_precision is not None and self.mixed_precision not in PRECISION:
             raise ConfigError(f"--mixed-precision {self.mixed_precision} is not one of {', '.join(PRECISION)}",
                               hint="fp16 needs loss scaling, which ckptool train does not do; use bf16")
+
+    def _check_hf_model(self) -> None:
+        require_transformers()
+        sizes = [flag(k) for k in MODEL_FIELDS if getattr(self, k) is not None]
+        if sizes:
+            raise ConfigError(f"{' '.join(sizes)} size the built-in model; --hf-model takes its sizes "
+                              "from its config.json", hint="Drop them")
 
     def _check_numbers(self) -> None:
         positive = ("steps", "batch_size", "grad_accum", "log_every")

@@ -155,11 +155,21 @@ def build(cfg: TrainConfig, world_size: int, device: torch.device, precision: st
     mesh = parallel.build_mesh(cfg.sharding, world_size, device.type, shard_size=cfg.hybrid_shard_size)
     parallel.shard_model(model, mesh, sharding=cfg.sharding, precision=precision, cpu_offload=cfg.cpu_offload)
     parallel.check_wrapping(model)
+    optimizer, scheduler = optimizer_for(cfg, model)
+    return model, optimizer, scheduler
+
+
+def optimizer_for(cfg: TrainConfig, model: Any) -> tuple[Any, Any]:
+    """AdamW over the (sharded) model and its LR scheduler."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
                                   weight_decay=cfg.weight_decay)
     schedule = lr_schedule(cfg.effective_warmup(), cfg.effective_decay())
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    return model, optimizer, scheduler
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+
+def model_params(model: Any) -> int:
+    """Parameters of the (sharded) model, counted in full; a tied embedding counts once."""
+    return sum(p.numel() for p in model.parameters())
 
 
 def train_step(model: Any, optimizer: Any, data: TokenBatches, index: int, cfg: TrainConfig,
@@ -236,6 +246,10 @@ def setup(cfg: TrainConfig) -> _Run:
     cfg.check_world_size(ws)
     device = pick_device(cfg.device)
     precision = cfg.mixed_precision or ("bf16" if device.type == "cuda" else "fp32")
+    if cfg.hf_model is not None:  # a transformers model (hf_model.py), trained by this same loop
+        from ckptool.train import hf_model
+
+        return hf_model.setup(cfg, rank, ws, device, precision)
     model, optimizer, scheduler = build(cfg, ws, device, precision)
     parallel.quiet_mesh_pickling()  # async saves send the mesh to DCP's background process
     manifest_cfg = {**cfg.to_dict(), "model_config": cfg.model_config().to_dict(), "precision": precision}
@@ -267,7 +281,7 @@ def train(cfg: TrainConfig, *, on_event: Callable[[Any], None] | None = None) ->
         for note in notes:
             emit(Notice(note))
         start = run.state.step
-        emit(RunStarted(ws, str(run.device), run.precision, cfg.sharding, cfg.model_config().num_params(),
+        emit(RunStarted(ws, str(run.device), run.precision, cfg.sharding, model_params(run.model),
                         start, cfg.steps, resumed))
         meter = run_steps(run, emit)
         run.ckpt.wait()
@@ -325,7 +339,7 @@ def _result(run: _Run, meter: _Meter, start: int, resumed: str | None) -> TrainR
     rate = samples / meter.compute_s if meter.compute_s else 0.0
     return TrainResult(
         out=cfg.out, world_size=dist.get_world_size(), device=str(run.device), precision=run.precision,
-        sharding=cfg.sharding, model_params=cfg.model_config().num_params(), start_step=start,
+        sharding=cfg.sharding, model_params=model_params(run.model), start_step=start,
         steps=run.state.step, resumed_from=resumed, first_loss=losses[0] if losses else None,
         final_loss=losses[-1] if losses else None, losses=losses, wall_seconds=meter.wall_s,
         tokens_per_s=rate * cfg.effective_seq_len(), samples_per_s=rate, state_bytes=meter.sizes,

@@ -128,7 +128,8 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
 
 
 def shard_model(model: nn.Module, mesh: DeviceMesh, *, sharding: str = "full", precision: str = "fp32",
-                cpu_offload: bool = False, wrap_blocks: bool = True) -> None:
+                cpu_offload: bool = False, wrap_blocks: bool = True,
+                blocks: list[nn.Module] | None = None) -> None:
     """``fully_shard`` every block, then the root (called on all ranks).
 
     Args:
@@ -138,6 +139,8 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, *, sharding: str = "full", p
         precision: bf16 or fp32 (one policy for every unit, so they cannot disagree).
         cpu_offload: ``CPUOffloadPolicy`` for every unit.
         wrap_blocks: False wraps only the root; exists so ``check_wrapping`` can be tested.
+        blocks: the blocks of a model without ``model.blocks`` (the decoder layers of a
+            transformers model, ``hf_model.py``), in order.
 
     Example:
         >>> mesh = build_mesh("full", 2, "cpu")
@@ -146,16 +149,17 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, *, sharding: str = "full", p
     """
     offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     kw: dict[str, Any] = {"mesh": mesh, "mp_policy": mp_policy(precision), "offload_policy": offload}
-    last = len(model.blocks) - 1
+    blocks = list(model.blocks) if blocks is None else blocks
+    last = len(blocks) - 1
     if wrap_blocks:
-        for i, block in enumerate(model.blocks):
+        for i, block in enumerate(blocks):
             # The last block is gathered again right away by backward: keep it resident.
             reshard = sharding in ("full", "hybrid") and i < last
             fully_shard(block, reshard_after_forward=reshard, **kw)
     fully_shard(model, reshard_after_forward=False, **kw)
 
 
-def check_wrapping(model: nn.Module) -> None:
+def check_wrapping(model: nn.Module, blocks: list[nn.Module] | None = None) -> None:
     """Fail fast on the configuration mistakes of seed 000 (called on all ranks).
 
     Raises:
@@ -164,7 +168,7 @@ def check_wrapping(model: nn.Module) -> None:
             parameters are not float32 (the master copy must stay fp32; bf16 belongs in the
             mixed-precision policy).
     """
-    blocks = list(getattr(model, "blocks", []))
+    blocks = list(getattr(model, "blocks", [])) if blocks is None else blocks
     units = sum(isinstance(b, FSDPModule) for b in blocks)
     if units == 0:
         raise ConfigError(
