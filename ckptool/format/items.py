@@ -16,7 +16,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from ckptool.errors import CorruptCheckpointError, IncompatibleCheckpointError
+from ckptool.errors import (ChecksumError, CorruptCheckpointError, IncompatibleCheckpointError,
+                            UnsafeInputError)
 from ckptool.format.dtypes import BY_STORAGE, DType
 from ckptool.format.metadata import StorageRef
 from ckptool.format.safe_pickle import UnsafePickleError, safe_loads
@@ -115,9 +116,10 @@ class RecordReader:
             raise self._bad(f"damaged zip directory ({e})") from None
 
     # -- zip directory ----------------------------------------------------------------------
-    def _bad(self, what: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"{self.where}: {what}", path=self.where,
-                                      hint="The file is damaged; use an earlier checkpoint")
+    def _bad(self, what: str, cls: type[CorruptCheckpointError] = CorruptCheckpointError
+             ) -> CorruptCheckpointError:
+        return cls(f"{self.where}: {what}", path=self.where,
+                   hint="The file is damaged; use an earlier checkpoint")
 
     def _read(self, rel_offset: int, length: int) -> bytes:
         if rel_offset < 0 or rel_offset + length > self.ref.length:
@@ -286,7 +288,7 @@ class RecordReader:
                 left -= len(b)
             if crc != e.crc:
                 raise self._bad(f"CRC-32 mismatch in {e.name} (stored {e.crc:08x}, "
-                                f"computed {crc:08x}): the bytes are damaged")
+                                f"computed {crc:08x}): the bytes are damaged", ChecksumError)
 
     def tensor(self) -> TensorLocation:
         """Locate the tensor this record holds."""
@@ -299,7 +301,7 @@ class RecordReader:
             obj = safe_loads(pkl, _TENSOR_GLOBALS, persistent_load=_storage_pid)
         except UnsafePickleError as e:
             raise self._bad(f"data.pkl references {e.module}.{e.name}, which no tensor record "
-                            "contains (possibly malicious; nothing was run)") from None
+                            "contains (possibly malicious; nothing was run)", UnsafeInputError) from None
         except Exception as e:  # noqa: BLE001
             raise self._bad(f"data.pkl is unreadable ({type(e).__name__}: {e})") from None
         if not isinstance(obj, _TensorStub):
@@ -327,7 +329,8 @@ class RecordReader:
             return safe_loads(pkl, _OBJECT_GLOBALS, persistent_load=_storage_pid)
         except UnsafePickleError as e:
             raise self._bad(f"data.pkl references {e.module}.{e.name}, which is not allowed in "
-                            "a checkpoint value (possibly malicious; nothing was run)") from None
+                            "a checkpoint value (possibly malicious; nothing was run)",
+                            UnsafeInputError) from None
         except Exception as e:  # noqa: BLE001
             raise self._bad(f"data.pkl is unreadable ({type(e).__name__}: {e})") from None
 

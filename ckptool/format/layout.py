@@ -24,7 +24,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from ckptool.errors import CheckpointNotFoundError
+from ckptool.errors import CheckpointNotFoundError, NoCheckpointError
 from ckptool.storage import Entry, Storage
 
 METADATA = ".metadata"
@@ -145,7 +145,7 @@ def resolve_checkpoint(path: str | os.PathLike[str], *, latest_in_run: bool = Tr
             f"{storage.url} is a run folder with no committed checkpoint", path=storage.url,
             hint=f"Its checkpoints ({names}) are all incomplete; run 'ckptool ls {storage.url}'",
         )
-    raise CheckpointNotFoundError(
+    raise NoCheckpointError(
         f"{storage.url} holds no checkpoint (no .metadata, no *.distcp files, no "
         ".safetensors files)", path=storage.url,
         hint="Pass a DCP checkpoint folder such as runs/demo/step_100",

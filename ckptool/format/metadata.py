@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptool.errors import CorruptCheckpointError, IncompleteCheckpointError
+from ckptool.errors import CorruptCheckpointError, IncompleteCheckpointError, UnsafeInputError
 from ckptool.format.dtypes import DTYPES, DType
 from ckptool.format.safe_pickle import Record, UnsafePickleError, safe_loads
 from ckptool.storage import Storage
@@ -272,7 +272,7 @@ def parse_metadata(data: bytes, *, where: str = METADATA) -> CheckpointMetadata:
     try:
         raw = safe_loads(data, METADATA_GLOBALS)
     except UnsafePickleError as e:
-        raise CorruptCheckpointError(
+        raise UnsafeInputError(
             f"{where} refused: it references {e.module}.{e.name}, which no DCP index contains "
             "(possibly a malicious file; nothing from it was run)", path=where,
             hint="Do not load this checkpoint with torch; get it again from a trusted source",

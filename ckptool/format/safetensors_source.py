@@ -56,8 +56,7 @@ class SourceError(CorruptCheckpointError):
 
     def __init__(self, code: str, message: str, *, path: str | None = None,
                  hint: str | None = None, what: str | None = None) -> None:
-        super().__init__(message, path=path, hint=hint)
-        self.code = code
+        super().__init__(message, path=path, hint=hint, code=code)
         self.what = what or message  # the problem without the file name, for re-wording
 
 

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckptool._version import __version__
-from ckptool.errors import (CheckpointNotFoundError, ConfigError, CorruptCheckpointError,
-                            IncompleteCheckpointError)
+from ckptool.errors import (CheckpointNotFoundError, ChecksumError, ConfigError,
+                            CorruptCheckpointError, IncompleteCheckpointError, NoCheckpointError)
 from ckptool.format.dtypes import CAST_TARGETS, DTYPES, DType
 from ckptool.format.layout import CheckpointDir, resolve_checkpoint, step_of
 from ckptool.format.manifest import Manifest, read_manifest
@@ -257,7 +257,7 @@ def _open_source(src: str | os.PathLike[str]) -> tuple[CheckpointDir, Checkpoint
     try:
         ckpt = resolve_checkpoint(src)
     except CheckpointNotFoundError as e:
-        if "holds no checkpoint" not in str(e):
+        if not isinstance(e, NoCheckpointError):
             raise
         raise IncompleteCheckpointError(str(e), path=e.path) from None
     ckpt = dataclasses.replace(ckpt, parts=(ckpt.model_part,))
@@ -461,7 +461,7 @@ class _Copier:
 
     def _damaged(self, p: _Piece, cb: ChunkBytes, what: str) -> CorruptCheckpointError:
         where = self.ck.storage.url_of(cb.reader.rel)
-        return CorruptCheckpointError(
+        return ChecksumError(
             f"{where} (item {p.tensor.fqn}): {what}: the bytes are damaged; nothing was written",
             path=where, hint="Use an earlier checkpoint; 'ckptool validate --deep' checks all records")
 

@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from ckptool._version import __version__
-from ckptool.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, HubError
+from ckptool.errors import (CheckpointNotFoundError, ConfigError, CorruptCheckpointError, HubError,
+                            NoCheckpointError)
 from ckptool.format.safetensors_writer import INDEX_NAME, SINGLE_NAME
 from ckptool.format.hf_source import ASSET_NAMES
 from ckptool.ops.model_card import MODEL_TYPE, CardFacts, model_card, model_config_json
@@ -326,7 +327,7 @@ def _open_checkpoint(path: str) -> _Source:
     try:
         ckpt = resolve_checkpoint(path)
     except CheckpointNotFoundError as e:
-        if "holds no checkpoint" not in str(e):
+        if not isinstance(e, NoCheckpointError):
             raise
         raise CheckpointNotFoundError(
             f"{e.path} holds nothing to upload (no {SINGLE_NAME}, no {INDEX_NAME}, no DCP "

@@ -22,9 +22,11 @@ from dataclasses import dataclass, field
 
 from ckptool.errors import (
     CheckpointNotFoundError,
+    ChecksumError,
     CkptError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
+    UnsafeInputError,
 )
 from ckptool.format import manifest as mf
 from ckptool.format.items import RecordReader, RecordTemplate, TensorLocation
@@ -106,7 +108,7 @@ def validate(path: str | os.PathLike[str] | CheckpointDir, *, deep: bool = False
         try:
             ckpt = resolve_checkpoint(path)
         except CkptError as e:
-            code = "empty" if "holds no checkpoint" in str(e) else "not-a-checkpoint"
+            code = e.code  # "empty" or "not-a-checkpoint"
             return Report(path=os.fspath(path), findings=(Finding("error", code, str(e), str(path)),))
     findings: list[Finding] = []
     metas: dict[str, CheckpointMetadata] = {}
@@ -200,7 +202,7 @@ class _PartCheck:
             try:
                 self.meta = read_metadata(self.st)
             except CkptError as e:
-                code = "unsafe-pickle" if "refused" in str(e) else "bad-metadata"
+                code = e.code if isinstance(e, UnsafeInputError) else "bad-metadata"
                 self.add(code, str(e), rel=".metadata")
                 return
         if self.meta is None:
@@ -394,7 +396,7 @@ class _PartCheck:
                         if tpl.matches(buf):
                             where = f"{self.st.url_of(rel)} (item {fqn})"
                             if not tpl.crc_ok(buf):
-                                raise CorruptCheckpointError(
+                                raise ChecksumError(
                                     f"{where}: CRC-32 mismatch in the tensor data: the bytes are "
                                     "damaged", path=where)
                             self._compare_location(tpl.loc, fqn, ref, where)
@@ -410,8 +412,7 @@ class _PartCheck:
                             and ref.length <= TEMPLATE_MAX_BYTES and len(templates) < MAX_TEMPLATES):
                         templates.setdefault(ref.length, RecordTemplate(rec, loc, rec._buf))
                 except CkptError as e:
-                    code = "crc-mismatch" if "CRC-32" in str(e) else "bad-record"
-                    code = "unsafe-pickle" if "possibly malicious" in str(e) else code
+                    code = e.code if isinstance(e, (ChecksumError, UnsafeInputError)) else "bad-record"
                     found.append(Finding("error", code, str(e), self.st.url_of(rel), fqn))
         return found
 

@@ -200,3 +200,15 @@ def test_mutated_metadata_is_model_or_ckpt_error(data):
             if c.storage is not None:
                 assert c.storage.offset >= 0 and c.storage.length >= 0
     assert isinstance(meta.files(), list)
+
+
+def test_error_codes_are_typed_not_parsed_from_messages():
+    """Scripts and validate's findings read ``e.code``; the English message may change."""
+    from ckptool import errors as E
+
+    assert E.NoCheckpointError("anything").code == "empty"
+    assert E.CheckpointNotFoundError("x").code == "not-a-checkpoint"
+    assert E.ChecksumError("x").code == "crc-mismatch"
+    assert E.UnsafeInputError("x").code == "unsafe-pickle"
+    assert isinstance(E.UnsafeInputError("x"), E.CorruptCheckpointError)
+    assert E.CorruptCheckpointError("x", code="bad-header").code == "bad-header"
