@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptool.errors import CkptError, ConfigError, CorruptCheckpointError
-from ckptool.format.dtypes import BY_SAFETENSORS, DType
+from ckptool.format.dtypes import DType
 from ckptool.storage import BLOCK, atomic_path
 
 INDEX_NAME = "model.safetensors.index.json"

@@ -18,14 +18,13 @@ full tensor; never the model. Output goes to a temporary name, fsynced, renamed 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import fnmatch
 import json
 import math
 import os
-import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +37,7 @@ from ckptool.format.manifest import Manifest, read_manifest
 from ckptool.format.metadata import CheckpointMetadata, Chunk, TensorEntry
 from ckptool.format.state_layout import StateLayout, read_layout
 from ckptool.ops import hf_assets as hf_assets_mod
+from ckptool.format.copy_engine import Progress, Ticker, run_jobs
 from ckptool.format.items import crc32
 from ckptool.format.reader import ChunkBytes, CheckpointReader, rowmajor
 from ckptool.format.safetensors_writer import (CASTABLE, INDEX_NAME, FileLayout, OutputFile,
@@ -47,7 +47,6 @@ from ckptool.storage import BLOCK, is_url
 
 #: huggingface_hub's default ``max_shard_size``.
 DEFAULT_MAX_SHARD = 5 * 10**9
-Progress = Callable[[int, int], None]
 
 
 @dataclass(frozen=True)
@@ -331,10 +330,6 @@ def _plan_copies(selected: list[tuple[TensorEntry, str]], layouts: list[FileLayo
 # Copying
 
 
-class _Cancelled(Exception):
-    pass
-
-
 class _Copier:
     """Moves chunk bytes into open output files.
 
@@ -346,9 +341,7 @@ class _Copier:
 
     def __init__(self, ck: CheckpointReader, *, check_crc: bool, track: bool, inline: bool) -> None:
         self.ck, self.check_crc, self.track, self.inline = ck, check_crc, track, inline
-        self.done = 0
-        self.lock = threading.Lock()
-        self.cancel = threading.Event()
+        self.ticker = Ticker(None, 0)
         self.outs: list[OutputFile] = []
 
     def run(self, paths: list[Path], layouts: list[FileLayout], pieces: list[_Piece],
@@ -359,40 +352,23 @@ class _Copier:
         for rel in {c.storage.relative_path for p in pieces + whole for c in p.tensor.chunks
                     if c.storage}:
             self.ck.reader(rel)  # opened here, so worker threads only read
+        self.ticker = Ticker(progress, sum(lay.data_bytes for lay in layouts))
+        jobs: list[Callable[[], None]] = []
+        for ps in files.values():
+            jobs.append(functools.partial(self._copy_job, ps))
+            if self.check_crc and not self.inline:
+                jobs.append(functools.partial(self._check_job, ps))
+        jobs += [functools.partial(self._whole_job, whole)] if whole else []
         try:
             for path, lay in zip(paths, layouts):
                 self.outs.append(OutputFile(path, lay, track=self.track))
-            with ThreadPoolExecutor(max(1, nworkers)) as pool:
-                futs = []
-                for ps in files.values():
-                    futs.append(pool.submit(self._copy_job, ps))
-                    if self.check_crc and not self.inline:
-                        futs.append(pool.submit(self._check_job, ps))
-                futs += [pool.submit(self._whole_job, whole)] if whole else []
-                self._wait(futs, sum(lay.data_bytes for lay in layouts), progress)
+            run_jobs(self.ticker, lambda job: job(), jobs, nworkers)
         finally:
             for o in self.outs:
-                o.close(sync=not self.cancel.is_set())
-
-    def _wait(self, futs: list, total: int, progress: Progress | None) -> None:
-        try:
-            pending = set(futs)
-            while pending:
-                finished, pending = wait(pending, timeout=0.2, return_when=FIRST_EXCEPTION)
-                for f in finished:
-                    f.result()  # raises a worker's error here
-                if progress is not None:
-                    progress(self.done, total)
-        except BaseException:
-            self.cancel.set()
-            wait(futs)
-            raise
+                o.close(sync=not self.ticker.abort.is_set())
 
     def _advance(self, n: int) -> None:
-        if self.cancel.is_set():
-            raise _Cancelled
-        with self.lock:
-            self.done += n
+        self.ticker.add(n)  # raises Aborted once another job failed
 
     # -- row-block chunks -----------------------------------------------------------------
     def _copy_job(self, pieces: list[_Piece]) -> None:

@@ -27,7 +27,6 @@ import shutil
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,10 +42,10 @@ from ckptool.format.items import crc32
 from ckptool.format.metadata import METADATA, CheckpointMetadata, Chunk, StorageRef, TensorEntry
 from ckptool.format.reader import CheckpointReader
 from ckptool.format.safetensors_writer import CASTABLE, cast_bytes
-from ckptool.ops.reshard import _fsync, _run_parallel, _Source, _Ticker, _tensor_crc, _unverified
+from ckptool.format.copy_engine import Progress, Ticker, fsync_file, run_jobs, unverified
+from ckptool.format.row_source import RowSource, tensor_crc
 from ckptool.storage import BLOCK, Storage, atomic_path, is_url
 
-Progress = Callable[[int, int], None]
 DTYPE_CHOICES = ("float32", "keep")
 ASSETS_DIR = "hf_assets"
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(?:@[\w./-]+)?")
@@ -140,7 +139,7 @@ def import_hf(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, world
     ranks = _plan_ranks(plan, world_size)
     with atomic_path(out) as tmp:
         tmp.mkdir()
-        ticker = _Ticker(progress, sum(o.src.nbytes for o in plan))
+        ticker = Ticker(progress, sum(o.src.nbytes for o in plan))
         written, crcs = _Writer(ticker).run(tmp, ranks)
         assets = _copy_assets(source, tmp)
         meta = _metadata(plan, ranks, written)
@@ -277,7 +276,7 @@ def _metadata(plan: list[_Out], ranks: list[list[tuple[_Out, Chunk]]],
 class _Writer:
     """Writes one ``.distcp`` file per rank on worker threads; CRC-32 of every chunk written."""
 
-    def __init__(self, ticker: _Ticker) -> None:
+    def __init__(self, ticker: Ticker) -> None:
         self.ticker = ticker
         self.fds: dict[str, int] = {}
 
@@ -290,7 +289,7 @@ class _Writer:
         try:
             with ThreadPoolExecutor(1) as self.flusher:  # fsync finished files meanwhile
                 self.flushed: list[Future] = []
-                results = _run_parallel(self.ticker, self._write_file, jobs,
+                results = run_jobs(self.ticker, self._write_file, jobs,
                                         min(os.cpu_count() or 1, 4))
                 for f in self.flushed:
                     f.result()
@@ -309,7 +308,7 @@ class _Writer:
                 self._chunk(f, o, chunk, buf)
                 refs.append(StorageRef(f.name, start, f.size - start))
             f.close(sync=False)
-        self.flushed.append(self.flusher.submit(_fsync, path))
+        self.flushed.append(self.flusher.submit(fsync_file, path))
         return f.size, f.digest, refs
 
     def _chunk(self, f: DistcpFile, o: _Out, chunk: Chunk, buf: bytearray) -> None:
@@ -356,7 +355,7 @@ def _copy_assets(source: HFSource, tmp: Path) -> dict[str, tuple[int, str]]:
     for name, path in sorted(source.assets.items()):
         rel = f"{ASSETS_DIR}/{name}"
         shutil.copyfile(path, tmp / rel, follow_symlinks=True)
-        _fsync(tmp / rel)
+        fsync_file(tmp / rel)
         out[rel] = mf.file_checksum(Storage.open(tmp), rel)
     return out
 
@@ -372,23 +371,23 @@ def _verify(folder: Path, plan: list[_Out], crcs: dict[tuple[str, int], int]) ->
 
     report = validate(str(folder), deep=True)
     if not report.ok:
-        raise _unverified(str(folder), report.errors[0].message)
+        raise unverified(str(folder), report.errors[0].message)
     meta = report.metadata[""]
     if set(meta.tensors) != {o.fqn for o in plan}:
-        raise _unverified(str(folder), "the written index does not list the planned tensors")
+        raise unverified(str(folder), "the written index does not list the planned tensors")
     with CheckpointReader(Storage.open(folder), meta) as ck:
-        out = _Source(ck)
+        out = RowSource(ck)
         for o in plan:
             t = meta.tensors[o.fqn]
             if t.shape != o.src.shape or t.dtype != o.dtype:
-                raise _unverified(str(folder), f"{o.fqn} is {t.dtype} {list(t.shape)}, planned "
+                raise unverified(str(folder), f"{o.fqn} is {t.dtype} {list(t.shape)}, planned "
                                   f"{o.dtype} {list(o.src.shape)}")
             want, size = 0, 0
             for c in sorted(t.chunks, key=lambda c: c.offsets):
                 n = c.numel * t.dtype.itemsize
                 want, size = crc32_combine(want, crcs[(o.fqn, c.offsets[0] if c.offsets else 0)], n), size + n
-            if _tensor_crc(out, t) != (want, size):
-                raise _unverified(str(folder), f"{o.fqn} differs from the source rows")
+            if tensor_crc(out, t) != (want, size):
+                raise unverified(str(folder), f"{o.fqn} differs from the source rows")
 
 
 def _write_manifest(tmp: Path, source: HFSource, label: str, world_size: int, dtype: str,

@@ -23,19 +23,16 @@ Output goes to a temporary folder renamed at the end (``atomic_path``): ``.distc
 
 from __future__ import annotations
 
-import math
 import os
-import threading
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Iterator
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from ckptool._version import __version__
-from ckptool.errors import ConfigError, CorruptCheckpointError, IncompatibleCheckpointError
+from ckptool.errors import ConfigError, IncompatibleCheckpointError
 from ckptool.format import manifest as mf
 from ckptool.format.dcp_writer import (DistcpFile, TensorRecord, crc32_combine, fsdp_chunks,
                                        write_metadata)
@@ -43,11 +40,12 @@ from ckptool.format.items import crc32
 from ckptool.format.layout import CheckpointDir, resolve_checkpoint, step_of
 from ckptool.format.metadata import (METADATA, BytesEntry, CheckpointMetadata, Chunk, StorageRef,
                                      TensorEntry)
-from ckptool.format.reader import CheckpointReader, ChunkBytes
-from ckptool.storage import BLOCK, RangeReader, Storage, atomic_path, is_url
+from ckptool.format.reader import CheckpointReader
+from ckptool.format.copy_engine import Progress, Ticker, fsync_file, run_jobs, unverified
+from ckptool.format.row_source import (ByteRange, RowSource, read_blocks, tensor_crc,
+                                       tensor_digest)
+from ckptool.storage import BLOCK, Storage, atomic_path, is_url
 
-Progress = Callable[[int, int], None]
-_FADVISE = hasattr(os, "posix_fadvise")
 
 
 @dataclass(frozen=True)
@@ -122,8 +120,8 @@ def reshard(src: str | os.PathLike[str], dst: str | os.PathLike[str] | None = No
     plan = _plan_ranks(meta, world_size, source_world_size=n_src)
     with CheckpointReader(ckpt.storage, meta) as ck, atomic_path(out) as tmp:
         tmp.mkdir()
-        ticker = _Ticker(progress, sum(t.nbytes for t in meta.tensors.values()))
-        source = _Source(ck, track=True)
+        ticker = Ticker(progress, sum(t.nbytes for t in meta.tensors.values()))
+        source = RowSource(ck, track=True)
         written = _Copier(source, ticker).run(tmp, plan)
         meta_size = write_metadata(tmp, _output_metadata(meta, plan, written),
                                    checkpoint_id=str(out))
@@ -289,177 +287,10 @@ def _write_manifest(ckpt: CheckpointDir, tmp: Path, world_size: int, n_src: int 
 # Copying
 
 
-class _Ticker:
-    """Progress shared by worker threads; reported from the calling thread only."""
-
-    def __init__(self, progress: Progress | None, total: int) -> None:
-        self.progress = progress
-        self.total = total
-        self.done = 0
-        self.abort = threading.Event()
-        self._lock = threading.Lock()
-
-    def add(self, n: int) -> None:
-        if self.abort.is_set():
-            raise _Aborted
-        with self._lock:
-            self.done += n
-
-    def report(self) -> None:
-        if self.progress is not None:
-            self.progress(self.done, self.total)
-
-
-class _Aborted(Exception):
-    pass
-
-
-def _run_parallel(ticker: _Ticker, fn: Callable, jobs: list, workers: int) -> list:
-    """``[fn(job) for job in jobs]`` on worker threads; progress and errors on this thread."""
-    with ThreadPoolExecutor(max(1, min(workers, len(jobs)))) as pool:
-        futures = [pool.submit(fn, job) for job in jobs]
-        try:
-            pending = set(futures)
-            while pending:
-                done, pending = wait(pending, timeout=0.2, return_when=FIRST_EXCEPTION)
-                ticker.report()
-                for f in done:
-                    f.result()  # re-raise the first failure here
-        except BaseException:
-            ticker.abort.set()  # running jobs stop at their next block; queued ones never start
-            for f in futures:
-                f.cancel()
-            raise
-    return [f.result() for f in futures]
-
-
-class _Source:
-    """Row ranges of a checkpoint's tensors as byte pieces; tracks CRC-32 pieces if asked."""
-
-    def __init__(self, ck: CheckpointReader, *, track: bool = False) -> None:
-        self.ck = ck
-        self.track = track
-        self.pieces: list[tuple[tuple[str, tuple[int, ...]], int, int, int]] = []
-        self.whole_check: set[tuple[str, tuple[int, ...]]] = set()
-        self._locs: dict[tuple[str, tuple[int, ...]], ChunkBytes] = {}
-        for rel in ck.meta.files():
-            ck.reader(rel)  # open every file before threads share the reader table
-
-    def locate(self, t: TensorEntry, c: Chunk) -> ChunkBytes:
-        key = (t.fqn, c.offsets)
-        if key not in self._locs:
-            self._locs[key] = self.ck.locate(t, c)
-        return self._locs[key]
-
-    def pieces_of(self, t: TensorEntry, lo: int, hi: int) -> Iterator[_Range | bytes]:
-        """Rows ``[lo, hi)`` of ``t`` in row-major order (a 0-dim tensor has one row)."""
-        row = math.prod(t.shape[1:]) * t.dtype.itemsize
-        blocks = t.row_blocks()
-        if blocks is None:
-            self.whole_check.update((t.fqn, c.offsets) for c in t.chunks)
-            yield _assemble(self.ck, t, lo, hi)
-            return
-        for c in blocks:
-            c0 = c.offsets[0] if c.offsets else 0
-            a, b = max(lo, c0), min(hi, c0 + (c.sizes[0] if c.sizes else 1))
-            if b <= a:
-                continue
-            cb = self.locate(t, c)
-            loc = cb.location
-            if not cb.has_crc:  # a safetensors range: the bytes as they are, nothing to check
-                yield _Range(None, cb.reader, cb.start + (a - c0) * row, (a - c0) * row, (b - a) * row)
-                continue
-            if not loc.contiguous:
-                self.whole_check.add((t.fqn, c.offsets))
-                yield memoryview(self.ck.read_chunk(t, c))[(a - c0) * row:(b - c0) * row]
-                continue
-            exact = loc.storage_offset == 0 and loc.entry.size == loc.nbytes
-            if not exact and self.track:
-                self.whole_check.add((t.fqn, c.offsets))
-            key = (t.fqn, c.offsets) if exact and self.track else None
-            yield _Range(key, cb.reader, cb.start + (a - c0) * row, (a - c0) * row, (b - a) * row)
-
-    def check_crcs(self) -> None:
-        """Do the CRCs of the pieces read add up to each record's stored CRC-32?"""
-        by_key: dict[tuple, list[tuple[int, int, int]]] = defaultdict(list)
-        for key, rel, length, crc in self.pieces:
-            by_key[key].append((rel, length, crc))
-        for (fqn, offsets), parts in by_key.items():
-            t = self.ck.meta.tensors[fqn]
-            entry = self.locate(t, _chunk_at(t, offsets)).location.entry
-            crc, pos = 0, 0
-            for rel, length, part in sorted(parts):
-                if rel != pos:
-                    break
-                crc, pos = crc32_combine(crc, part, length), pos + length
-            if pos != entry.size:
-                self.whole_check.add((fqn, offsets))
-            elif crc != entry.crc:
-                where = self.ck.storage.url_of(_chunk_at(t, offsets).storage.relative_path)
-                raise CorruptCheckpointError(
-                    f"{where} (item {fqn}): CRC-32 mismatch in its data (stored {entry.crc:08x}, "
-                    f"computed {crc:08x}): the bytes are damaged", path=where,
-                    hint="Nothing was written; use an earlier checkpoint")
-        for fqn, offsets in sorted(self.whole_check):
-            chunk = _chunk_at(self.ck.meta.tensors[fqn], offsets)
-            if chunk.numel and not chunk.storage.raw:  # type: ignore[union-attr]
-                self.ck.record(chunk.storage, fqn).verify_crc()  # type: ignore[arg-type]
-
-
-@dataclass(frozen=True)
-class _Range:
-    """``length`` bytes at ``start`` of an open file; ``rel``: offset in the record's data."""
-
-    key: tuple[str, tuple[int, ...]] | None
-    reader: RangeReader
-    start: int
-    rel: int
-    length: int
-
-
-def _chunk_at(t: TensorEntry, offsets: tuple[int, ...]) -> Chunk:
-    return next(c for c in t.chunks if c.offsets == offsets)
-
-
-def _assemble(ck: CheckpointReader, t: TensorEntry, lo: int, hi: int) -> bytes:
-    """Rows ``[lo, hi)`` of a tensor saved in arbitrary boxes (memory: those rows + a chunk)."""
-    import numpy as np
-
-    item = np.dtype(f"V{t.dtype.itemsize}")
-    out = np.zeros((hi - lo,) + t.shape[1:], dtype=item)
-    for c in t.chunks:
-        a, b = max(lo, c.offsets[0]), min(hi, c.offsets[0] + c.sizes[0])
-        if b <= a or not c.numel:
-            continue
-        src = np.frombuffer(ck.read_chunk(t, c), dtype=item).reshape(c.sizes)
-        box = tuple(slice(o, o + n) for o, n in zip(c.offsets[1:], c.sizes[1:]))
-        out[(slice(a - lo, b - lo), *box)] = src[a - c.offsets[0]:b - c.offsets[0]]
-    return out.tobytes()
-
-
-def _blocks(r: _Range, buf: bytearray) -> Iterator[memoryview]:
-    """The range in pieces of at most ``len(buf)`` bytes (views of ``buf`` for local files)."""
-    view, done, fd = memoryview(buf), 0, r.reader.fileno
-    while done < r.length:
-        want = min(len(buf), r.length - done)
-        if fd is not None:
-            if _FADVISE and done + want < r.length:  # read the next block ahead, meanwhile
-                os.posix_fadvise(fd, r.start + done + want, min(len(buf), r.length - done - want),
-                                 os.POSIX_FADV_WILLNEED)
-            data = view[:os.preadv(fd, [view[:want]], r.start + done)]
-        else:
-            data = memoryview(r.reader.pread(r.start + done, want))
-        if not data:
-            raise CorruptCheckpointError(f"{r.reader.storage.url_of(r.reader.rel)} is cut short",
-                                         path=r.reader.storage.url)
-        yield data
-        done += len(data)
-
-
 class _Copier:
-    """Writes the output files from a tracked ``_Source``."""
+    """Writes the output files from a tracked ``RowSource``."""
 
-    def __init__(self, src: _Source, ticker: _Ticker) -> None:
+    def __init__(self, src: RowSource, ticker: Ticker) -> None:
         self.src = src
         self.ticker = ticker
 
@@ -469,7 +300,7 @@ class _Copier:
         # Each finished file is fsynced by one flusher thread while the next ones copy.
         with ThreadPoolExecutor(1) as self.flusher:
             self.flushed: list[Future] = []
-            results = _run_parallel(self.ticker, self._write_file, jobs, workers)
+            results = run_jobs(self.ticker, self._write_file, jobs, workers)
             self.src.check_crcs()
             for flushed in self.flushed:
                 flushed.result()
@@ -490,7 +321,7 @@ class _Copier:
                     self._tensor(f, self.src.ck.meta.tensors[item.fqn], item.chunk, buf)
                 refs[item.fqn].append((item, StorageRef(f.name, start, f.size - start)))
             f.close(sync=False)
-        self.flushed.append(self.flusher.submit(_fsync, path))
+        self.flushed.append(self.flusher.submit(fsync_file, path))
         return f.size, f.digest, refs
 
     def _tensor(self, f: DistcpFile, t: TensorEntry, chunk: Chunk, buf: bytearray) -> None:
@@ -499,9 +330,9 @@ class _Copier:
         lo = chunk.offsets[0] if chunk.offsets else 0
         crc = 0
         for piece in self.src.pieces_of(t, lo, lo + (chunk.sizes[0] if chunk.sizes else 1)):
-            if isinstance(piece, _Range):
+            if isinstance(piece, ByteRange):
                 part = 0
-                for data in _blocks(piece, buf):
+                for data in read_blocks(piece, buf):
                     part = crc32(data, part)
                     f.write(data)
                     self.ticker.add(len(data))
@@ -519,65 +350,20 @@ class _Copier:
 # Verification
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _verify(src: _Source, folder: Path) -> None:
+def _verify(src: RowSource, folder: Path) -> None:
     """Deep-validate the output; then each tensor's row-major CRC-32 must equal the source's."""
     from ckptool.ops.validate import validate
 
     report = validate(str(folder), deep=True)
     if not report.ok:
-        raise _unverified(str(folder), report.errors[0].message)
+        raise unverified(str(folder), report.errors[0].message)
     with CheckpointReader(Storage.open(folder), report.metadata[""]) as ck:
-        out = _Source(ck)
+        out = RowSource(ck)
         for fqn, t in src.ck.meta.tensors.items():
-            a, b = _tensor_crc(src, t), _tensor_crc(out, ck.meta.tensors[fqn])
+            a, b = tensor_crc(src, t), tensor_crc(out, ck.meta.tensors[fqn])
             if a is None:  # a source record whose CRC does not cover exactly the tensor
-                a, b = _digest(_Source(src.ck), t), _digest(out, ck.meta.tensors[fqn])
+                a, b = tensor_digest(RowSource(src.ck), t), tensor_digest(out, ck.meta.tensors[fqn])
             if a != b:
-                raise _unverified(str(folder), f"{fqn} differs from the source ({b} != {a})")
+                raise unverified(str(folder), f"{fqn} differs from the source ({b} != {a})")
 
 
-def _unverified(where: str, what: str) -> CorruptCheckpointError:
-    return CorruptCheckpointError(f"verification failed, nothing was committed: {what}",
-                                  path=where, hint="Please report this as a ckptool bug")
-
-
-def _tensor_crc(src: _Source, t: TensorEntry) -> tuple[int, int] | None:
-    """(CRC-32, length) of the whole tensor in row-major order, from its records' stored CRCs
-    (each checked against the bytes by the copy or by ``validate --deep``); None when some
-    record's CRC covers more than the tensor's own bytes."""
-    blocks = t.row_blocks()
-    if blocks is None:
-        return None
-    crc = size = 0
-    for c in blocks:
-        cb = src.locate(t, c)
-        loc = cb.location
-        if not (cb.has_crc and loc.contiguous and loc.storage_offset == 0
-                and loc.entry.size == loc.nbytes):
-            return None
-        crc, size = crc32_combine(crc, loc.entry.crc, loc.entry.size), size + loc.entry.size
-    return crc, size
-
-
-def _digest(src: _Source, t: TensorEntry) -> str:
-    """xxh3-64 of the whole tensor in row-major order, read in pieces, whatever its layout."""
-    import xxhash
-
-    h, buf = xxhash.xxh3_64(), bytearray(BLOCK)
-    n = t.shape[0] if t.shape else 1
-    bands = [0, n]
-    if t.row_blocks() is None:  # assemble between the chunks' row boundaries
-        bands = sorted({0, n} | {c.offsets[0] + d for c in t.chunks for d in (0, c.sizes[0])})
-    for lo, hi in zip(bands, bands[1:]):
-        for piece in src.pieces_of(t, lo, hi):
-            for data in (_blocks(piece, buf) if isinstance(piece, _Range) else (piece,)):
-                h.update(data)
-    return h.hexdigest()

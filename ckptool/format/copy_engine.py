@@ -1,0 +1,77 @@
+"""The copy engine's moving parts, shared by every op that streams bytes into new files.
+
+``Ticker`` counts bytes done across worker threads and carries the abort flag; ``run_jobs``
+runs jobs on a thread pool, reports progress and raises the first failure on the calling
+thread (after telling running jobs to stop at their next block and cancelling queued ones);
+``fsync_file`` flushes a finished file; ``unverified`` is the one error for an output that
+failed its check before commit. Used by ``reshard``, ``import`` and ``consolidate``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from pathlib import Path
+
+from ckptool.errors import CorruptCheckpointError
+
+Progress = Callable[[int, int], None]
+
+
+class Ticker:
+    """Progress shared by worker threads; reported from the calling thread only."""
+
+    def __init__(self, progress: Progress | None, total: int) -> None:
+        self.progress = progress
+        self.total = total
+        self.done = 0
+        self.abort = threading.Event()
+        self._lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        if self.abort.is_set():
+            raise Aborted
+        with self._lock:
+            self.done += n
+
+    def report(self) -> None:
+        if self.progress is not None:
+            self.progress(self.done, self.total)
+
+
+class Aborted(Exception):
+    pass
+
+
+def run_jobs(ticker: Ticker, fn: Callable, jobs: list, workers: int) -> list:
+    """``[fn(job) for job in jobs]`` on worker threads; progress and errors on this thread."""
+    with ThreadPoolExecutor(max(1, min(workers, len(jobs)))) as pool:
+        futures = [pool.submit(fn, job) for job in jobs]
+        try:
+            pending = set(futures)
+            while pending:
+                done, pending = wait(pending, timeout=0.2, return_when=FIRST_EXCEPTION)
+                ticker.report()
+                for f in done:
+                    f.result()  # re-raise the first failure here
+        except BaseException:
+            ticker.abort.set()  # running jobs stop at their next block; queued ones never start
+            for f in futures:
+                f.cancel()
+            raise
+    return [f.result() for f in futures]
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def unverified(where: str, what: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"verification failed, nothing was committed: {what}",
+                                  path=where, hint="Please report this as a ckptool bug")
