@@ -1,6 +1,7 @@
 """``ckptool estimate``: per-GPU memory of a run before launch (the accounting is ``ops/estimate.py``).
 
-Never imports torch: sizes come from the torch-free ``train/sizes.py``.
+Never imports torch: sizes come from the torch-free ``train/sizes.py`` (except ``--hf-model``,
+whose parameter count transformers gives by building the model on the meta device).
 """
 
 from __future__ import annotations
@@ -51,12 +52,15 @@ def parse_count(text: str) -> int:
 @click.option("--batch-size", type=click.IntRange(min=1), help="GLOBAL sequences per micro-step, as in "
               "ckptool train (default 16 with a model).")
 @click.option("--seq-len", type=click.IntRange(min=1), help="Tokens per sequence (default: the model's max).")
+@click.option("--hf-model", metavar="SRC", help="A transformers causal LM (model folder, Hub repo id or "
+              "config.json): its parameter count, from the config (no weights read; imports torch).")
+@click.option("--trust-remote-code", is_flag=True, help="Let --hf-model run the model folder's own code (auto_map).")
 @click.option("--gpu-memory", default="80GB", show_default=True, help="Memory per GPU (80GB, 141GB, 24GiB).")
 @click.option("--json", "json_out", is_flag=True, help="Print the estimate as JSON.")
 def estimate_cmd(params: int | None, model: str | None, ranks: int, strategy: str,
                  hybrid_shard_size: int | None, precision: str, optimizer: str, cpu_offload: bool, ac: str,
                  batch_size: int | None, seq_len: int | None, gpu_memory: str, json_out: bool,
-                 **shape: int | None) -> None:
+                 hf_model: str | None, trust_remote_code: bool, **shape: int | None) -> None:
     """Per-GPU memory of a training run, before launch: state, gathered blocks, activations.
 
     \b
@@ -74,6 +78,8 @@ def estimate_cmd(params: int | None, model: str | None, ranks: int, strategy: st
       ckptool estimate --model 1b --ranks 8 --batch-size 64 --seq-len 1024
     """
     try:
+        if hf_model is not None:
+            params = _hf_params(hf_model, trust_remote_code, params, model, shape)
         est = _estimate(params, model, ranks, strategy, hybrid_shard_size, precision, optimizer, cpu_offload,
                         ac, batch_size, seq_len, gpu_memory, shape)
     except ConfigError as e:  # a bad option value or combination: a usage error, as click's own
@@ -105,6 +111,19 @@ def _estimate(params: int | None, model: str | None, ranks: int, strategy: str, 
                     strategy=strategy, hybrid_shard_size=hybrid_shard_size, precision=precision,
                     optimizer=optimizer, cpu_offload=cpu_offload, activation_checkpointing=ac,
                     batch_size=batch_size, seq_len=seq_len, gpu_memory=parse_size(gpu_memory, option="--gpu-memory"))
+
+
+def _hf_params(src: str, trust_remote_code: bool, params: int | None, model: str | None,
+               shape: dict[str, int | None]) -> int:
+    """``--hf-model``: the parameter count of its config (built on meta by transformers)."""
+    if params is not None or model or any(v is not None for v in shape.values()):
+        raise click.UsageError("--hf-model takes the model from SRC; drop --params, --model and the sizes")
+    from ckptool.train.config import require_transformers
+
+    require_transformers()
+    from ckptool.train.hf_model import param_count
+
+    return param_count(src, trust_remote_code=trust_remote_code)
 
 
 ROWS = (("parameters", "params_bytes"), ("gradients", "grads_bytes"), ("optimizer state", "optim_bytes"),

@@ -215,6 +215,13 @@ def _short(path: str) -> str:
     return path if rel.startswith("..") else rel
 
 
+def _export(r: Any, cfg: Any) -> str:
+    """Where the summary suggests exporting to: an HF model is a folder from_pretrained loads."""
+    if getattr(cfg, "hf_model", None) and not is_url(r.out):
+        return _short(r.out.rstrip("/")) + "-hf/"
+    return "model.safetensors"
+
+
 def render_summary(r: Any, cfg: Any) -> str:
     """The human summary of a ``TrainResult``, ending with the next commands to try."""
     if not r.losses:
@@ -248,5 +255,5 @@ def render_summary(r: Any, cfg: Any) -> str:
         latest = _short(r.latest)
         lines += ["checkpoints: " + ", ".join(r.checkpoints), "", "Next:",
                   f"  ckptool validate {latest}",
-                  f"  ckptool consolidate {latest} model.safetensors"]
+                  f"  ckptool consolidate {latest} {_export(r, cfg)}"]
     return "\n".join(lines)

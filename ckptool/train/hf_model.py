@@ -302,6 +302,30 @@ def count_params(config: Any, *, trust_remote_code: bool = False) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def param_count(src: str, *, trust_remote_code: bool = False) -> int:
+    """Parameters of ``--hf-model SRC`` from its config alone (built on meta; no weight read,
+    only ``config.json`` fetched for a Hub repo id)."""
+    from ckptool.errors import HubError
+    from ckptool.ops.import_hf import is_repo_id
+
+    if is_repo_id(src):
+        from huggingface_hub import hf_hub_download
+
+        repo_id, _, revision = src.partition("@")
+        try:
+            path = Path(hf_hub_download(repo_id, "config.json", revision=revision or None))
+        except Exception as e:  # noqa: BLE001 - any Hub failure is one line for the user
+            raise HubError(f"--hf-model {src}: cannot fetch config.json: {' '.join(str(e).split())[:200]}") from None
+        folder = str(path.parent)
+    else:
+        p = Path(src).expanduser()
+        path, folder = (p / "config.json", str(p)) if p.is_dir() else (p, None)
+        if not path.is_file():
+            raise ConfigError(f"--hf-model {src}: no config.json there, and not a Hub repo id org/name")
+    config = load_config(Source(src, str(path), folder, None, {}), trust_remote_code=trust_remote_code)
+    return count_params(config, trust_remote_code=trust_remote_code)
+
+
 # ---------------------------------------------------------------------------------------------
 # Weights
 

@@ -61,18 +61,27 @@ def _logits_worker(rank: int, world_size: int, folders: list[str]) -> list[dict]
             "names": sorted(hf_model.model_names(model)) == sorted(ref.state_dict()) or
                      sorted(hf_model.model_names(model)) == sorted(k for k in ref.state_dict() if k != "lm_head.weight"),
         })
+    # A config.json alone: the model's own init on each shard, shards different (not copies).
+    source = hf_model.resolve(os.path.join(folders[1], "config.json"))
+    assert source.weights is None
+    model = hf_model.build(hf_model.load_config(source), cfg, mesh, torch.device("cpu"), "fp32")
+    hf_model.random_init(model, seed=0)
+    out.append({"wte": model.transformer.wte.weight.to_local().clone()})
     return out
 
 
 def test_sharded_logits_equal_from_pretrained_each_rank_reading_its_rows(models):
     results = run_dist(_logits_worker, 2, [models["llama"], models["gpt2"]])
+    wte = [rank[2]["wte"] for rank in results]
+    assert wte[0].shape == wte[1].shape and not torch.equal(wte[0], wte[1])
+    assert 0.015 < float(torch.cat(wte).std()) < 0.025  # GPT-2's N(0, 0.02)
     for rank in results:
-        llama, gpt2 = rank
+        llama, gpt2, _ = rank
         assert llama["equal"] and gpt2["equal"]
         assert llama["buffers"] and llama["names"] and gpt2["names"]  # rotary inv_freq recomputed
         assert not llama["tied"] and gpt2["tied"]
         # Each rank reads about half of the bytes, never the whole model.
-        for r in rank:
+        for r in rank[:2]:
             assert r["read"] < 0.6 * r["full"]
 
 
