@@ -66,7 +66,7 @@ def _logits_worker(rank: int, world_size: int, folders: list[str]) -> list[dict]
     assert source.weights is None
     model = hf_model.build(hf_model.load_config(source), cfg, mesh, torch.device("cpu"), "fp32")
     hf_model.random_init(model, seed=0)
-    out.append({"wte": model.transformer.wte.weight.to_local().clone()})
+    out.append({"wte": model.transformer.wte.weight.to_local().detach().clone()})
     return out
 
 
