@@ -78,3 +78,29 @@ def write_section(md: Path, section: str, text: str) -> None:
 
 def mem_gib() -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+
+def record_rss(out: str, rank: int) -> None:
+    """Called last in a rank process: leave its peak RSS (KiB) where ``spawn_ranks`` reads it."""
+    import resource
+
+    with open(f"{out}.{rank}", "w") as f:
+        f.write(str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
+
+
+def spawn_ranks(fn, m: int, src: str, dst: str) -> None:
+    """``fn(rank, m, src, dst, rdzv, rss_out)`` on ``m`` spawned ranks; print their summed peak
+    RSS as JSON (the peers' multi-process routes, measured the same way in every bench)."""
+    import json
+    import os
+    import tempfile
+    from pathlib import Path
+
+    import torch.multiprocessing as mp
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(fn, args=(m, src, dst, f"{tmp}/rdzv", f"{tmp}/rss"), nprocs=m, join=True)
+        rss = [int(Path(f"{tmp}/rss.{r}").read_text()) for r in range(m)]
+    print(json.dumps({"rss_sum_mib": sum(rss) / 1024}))
+

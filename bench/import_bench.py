@@ -23,15 +23,14 @@ import argparse
 import json
 import os
 import platform
-import resource
 import shutil
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import check, drop_caches, fmt, mem_gib, run_once, write_section  # noqa: E402
+from _common import (check, drop_caches, fmt, mem_gib, record_rss, run_once,  # noqa: E402
+                     spawn_ranks, write_section)
 
 SECTION = "## import"
 SHAPES = {"hidden": 2048, "ff": 5632, "heads": 32, "kv_heads": 4, "vocab": 32000}
@@ -120,18 +119,11 @@ def _peer_rank(rank: int, m: int, src: str, dst: str, rdzv: str, out: str) -> No
         dist.barrier()
     finally:
         dist.destroy_process_group()
-        with open(f"{out}.{rank}", "w") as f:
-            f.write(str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
+        record_rss(out, rank)
 
 
 def peer_route(src: str, dst: str, m: int) -> None:
-    import torch.multiprocessing as mp
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_peer_rank, args=(m, src, dst, f"{tmp}/rdzv", f"{tmp}/rss"), nprocs=m, join=True)
-        rss = [int(Path(f"{tmp}/rss.{r}").read_text()) for r in range(m)]
-    print(json.dumps({"rss_sum_mib": sum(rss) / 1024}))
+    spawn_ranks(_peer_rank, m, src, dst)
 
 
 # ---------------------------------------------------------------------------------------------

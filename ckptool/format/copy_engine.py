@@ -15,7 +15,8 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 
-from ckptool.errors import CorruptCheckpointError
+from ckptool.errors import ConfigError, CorruptCheckpointError
+from ckptool.storage import is_url
 
 Progress = Callable[[int, int], None]
 
@@ -75,3 +76,27 @@ def fsync_file(path: Path) -> None:
 def unverified(where: str, what: str) -> CorruptCheckpointError:
     return CorruptCheckpointError(f"verification failed, nothing was committed: {what}",
                                   path=where, hint="Please report this as a ckptool bug")
+
+
+def new_output_folder(dst: str | os.PathLike[str], *, force: bool, verb: str,
+                      source: Path | None = None) -> Path:
+    """The absolute local folder a writing op (``reshard``, ``import``) may create at ``dst``.
+
+    Raises:
+        ConfigError: ``dst`` is a URL, is or holds ``source``, already exists (without
+            ``force``), or is a file.
+    """
+    if is_url(dst):
+        raise ConfigError(f"{os.fspath(dst)}: {verb} writes to a local folder; write locally "
+                          "and upload the result")
+    out = Path(os.path.abspath(os.fspath(dst))).resolve()
+    if source is not None and (out == source or out in source.parents):
+        raise ConfigError(f"DST {out} is, or contains, the source {source}; choose another DST")
+    if (out.exists() or out.is_symlink()) and not force:
+        raise ConfigError(f"{out} already exists", path=str(out),
+                          hint="Pass --force to replace it, or choose another DST")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{out} exists and is not a folder; remove it or choose another DST")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return out
+

@@ -42,9 +42,10 @@ from ckptool.format.items import crc32
 from ckptool.format.metadata import METADATA, CheckpointMetadata, Chunk, StorageRef, TensorEntry
 from ckptool.format.reader import CheckpointReader
 from ckptool.format.safetensors_writer import CASTABLE, cast_bytes
-from ckptool.format.copy_engine import Progress, Ticker, fsync_file, run_jobs, unverified
+from ckptool.format.copy_engine import (Progress, Ticker, fsync_file, new_output_folder,
+                                        run_jobs, unverified)
 from ckptool.format.row_source import RowSource, tensor_crc
-from ckptool.storage import BLOCK, Storage, atomic_path, is_url
+from ckptool.storage import BLOCK, Storage, atomic_path
 
 DTYPE_CHOICES = ("float32", "keep")
 ASSETS_DIR = "hf_assets"
@@ -184,17 +185,7 @@ def _open(src: str | os.PathLike[str]) -> tuple[HFSource, str]:
 
 
 def _destination(dst: str | os.PathLike[str], force: bool) -> Path:
-    if is_url(dst):
-        raise ConfigError(f"{os.fspath(dst)}: import writes to a local folder; write locally "
-                          "and upload the result")
-    out = Path(os.path.abspath(os.fspath(dst))).resolve()
-    if (out.exists() or out.is_symlink()) and not force:
-        raise ConfigError(f"{out} already exists", path=str(out),
-                          hint="Pass --force to replace it, or choose another DST")
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"{out} exists and is not a folder; remove it or choose another DST")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    return out
+    return new_output_folder(dst, force=force, verb="import")
 
 
 def _check_inside(source: HFSource, out: Path) -> None:

@@ -41,10 +41,11 @@ from ckptool.format.layout import CheckpointDir, resolve_checkpoint, step_of
 from ckptool.format.metadata import (METADATA, BytesEntry, CheckpointMetadata, Chunk, StorageRef,
                                      TensorEntry)
 from ckptool.format.reader import CheckpointReader
-from ckptool.format.copy_engine import Progress, Ticker, fsync_file, run_jobs, unverified
+from ckptool.format.copy_engine import (Progress, Ticker, fsync_file, new_output_folder,
+                                        run_jobs, unverified)
 from ckptool.format.row_source import (ByteRange, RowSource, read_blocks, tensor_crc,
                                        tensor_digest)
-from ckptool.storage import BLOCK, Storage, atomic_path, is_url
+from ckptool.storage import BLOCK, Storage, atomic_path
 
 
 
@@ -202,21 +203,8 @@ def _destination(ckpt: CheckpointDir, dst: str | os.PathLike[str] | None, world_
         if not ckpt.storage.is_local:
             raise ConfigError(f"{ckpt.url} is remote; give a local DST folder")
         dst = default_destination(ckpt.url, world_size)
-    if is_url(dst):
-        raise ConfigError(f"{os.fspath(dst)}: reshard writes to a local folder; write locally "
-                          "and upload the result")
-    out = Path(os.path.abspath(os.fspath(dst))).resolve()
-    if ckpt.storage.is_local:
-        src = Path(ckpt.url).resolve()
-        if out == src or out in src.parents:
-            raise ConfigError(f"DST {out} is, or contains, the source {src}; choose another DST")
-    if (out.exists() or out.is_symlink()) and not force:
-        raise ConfigError(f"{out} already exists", path=str(out),
-                          hint="Pass --force to replace it, or choose another DST")
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"{out} exists and is not a folder; remove it or choose another DST")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    return out
+    source = Path(ckpt.url).resolve() if ckpt.storage.is_local else None
+    return new_output_folder(dst, force=force, verb="reshard", source=source)
 
 
 # ---------------------------------------------------------------------------------------------

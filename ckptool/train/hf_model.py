@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ckptool.errors import CheckpointNotFoundError, ConfigError, IncompatibleCheckpointError
+from ckptool.errors import ConfigError, IncompatibleCheckpointError
 from ckptool.format.hf_source import INDEX_NAME, MAX_ASSET_BYTES, HFSource, SourceTensor, open_source
 from ckptool.train import parallel
 from ckptool.train.config import TrainConfig
