@@ -13,7 +13,7 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from ckptool.cli._common import echo_json, human_bytes, progress_enabled
+from ckptool.cli._common import echo_json, human_bytes, plural, progress_enabled
 from ckptool.errors import ConfigError
 from ckptool.storage import is_url
 from ckptool.train.config import ACTIVATION_CHECKPOINTING, DEVICES, PRECISION, SHARDING, TrainConfig
@@ -140,10 +140,6 @@ def _given(ctx: click.Context, kw: dict[str, Any]) -> dict[str, Any]:
 WIDTH = 80
 
 
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
-
-
 class _Progress:
     """Renders rank 0's events on stderr: on a terminal a one-line tqdm bar (at most 80
     columns) with every message on its own line above it; in a pipe one line per report."""
@@ -168,7 +164,7 @@ class _Progress:
             self._line(f"{what} {_short(event.path)} (training blocked {event.blocked_seconds:.2f} s)")
 
     def _started(self, e: Any) -> None:
-        self._line(f"training {e.model_params:,} parameters on {_plural(e.world_size, 'rank')}: "
+        self._line(f"training {e.model_params:,} parameters on {plural(e.world_size, 'rank')}: "
                    f"{e.device}, {e.precision}, sharding {e.sharding}")
         where = f"resumed from {_short(e.resumed_from)}" if e.resumed_from else "fresh start"
         self._line(f"{where}: steps {e.start_step + 1}..{e.steps}" if e.start_step < e.steps
@@ -229,7 +225,7 @@ def render_summary(r: Any, cfg: Any) -> str:
                 f"Pass a larger --steps to continue, or a new --out to start over.")
     lines = [
         f"trained steps {r.start_step + 1}..{r.steps} in {r.wall_seconds:.1f} s on "
-        f"{_plural(r.world_size, 'rank')} ({r.device}, {r.precision}, sharding {r.sharding})",
+        f"{plural(r.world_size, 'rank')} ({r.device}, {r.precision}, sharding {r.sharding})",
     ]
     if r.resumed_from:
         lines.append(f"resumed from {_short(r.resumed_from)}")
@@ -247,7 +243,7 @@ def render_summary(r: Any, cfg: Any) -> str:
         lines.append("peak GPU memory: " + ", ".join(human_bytes(b) for b in r.peak_memory_bytes))
     if r.scaling:
         s = r.scaling
-        lines += [f"scaling: {s['speedup']:.2f}x on {_plural(int(s['ranks']), 'rank')}, "
+        lines += [f"scaling: {s['speedup']:.2f}x on {plural(int(s['ranks']), 'rank')}, "
                   f"{100 * s['efficiency']:.0f}% efficiency (same batch, {int(s['timed_steps'])} timed steps)",
                   f"  {s['samples_per_s']:.1f} samples/s vs {s['samples_per_s_1_rank']:.1f} on 1 rank "
                   f"with one rank's CPU threads"]
