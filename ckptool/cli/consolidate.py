@@ -23,10 +23,11 @@ from ckptool.cli._common import (byte_progress, echo_json, echo_note, human_byte
 @click.option("--keep-prefix", is_flag=True,
               help="Name tensors by their full DCP key (the 'model.' level included).")
 @model_key_options
-@click.option("--hf-assets", metavar="FOLDER", default=None,
-              help="A Hugging Face model folder whose config.json, generation config and "
-                   "tokenizer files are written beside the weights (folder OUTPUT). Default: "
-                   "those the checkpoint records (ckptool import).")
+@click.option("--hf-assets", metavar="SRC", default=None,
+              help="A Hugging Face model folder or Hub repo id (org/name[@rev]; only its asset "
+                   "files are downloaded) whose config.json, generation config and tokenizer "
+                   "files are written beside the weights (folder OUTPUT). Default: those the "
+                   "checkpoint records (ckptool import, train --hf-model).")
 @click.option("--force", is_flag=True,
               help="Replace an existing OUTPUT file, or the weight files of a non-empty OUTPUT "
                    "folder (model*.safetensors, index; other files are kept).")

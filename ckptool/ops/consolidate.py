@@ -123,8 +123,8 @@ def consolidate(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
         model_key: the model's sub-tree by hand, dotted (``app.model``); default: found from
             the checkpoint's records (``format/state_layout.py``).
         keep_wrappers: keep ``_orig_mod.``, ``_checkpoint_wrapped_module.``, ... in names.
-        hf_assets: a Hugging Face model folder whose ``config.json``, generation config and
-            tokenizer files go beside the weights (default: those the checkpoint's manifest
+        hf_assets: a Hugging Face model folder or Hub repo id (assets only are downloaded)
+            whose ``config.json``, generation config and tokenizer files go beside the weights (default: those the checkpoint's manifest
             records, e.g. from ``ckptool import``). Folder OUTPUT only.
         force: replace an existing ``.safetensors`` file, or the weight files
             (``model*.safetensors`` and the index) of a non-empty folder; other files there are

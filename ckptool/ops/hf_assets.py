@@ -4,7 +4,8 @@
 tokenizer files whenever it knows them: from the checkpoint's manifest (``ckptool import``
 copies them into ``hf_assets/`` and records ``config["hf_config"]`` and
 ``config["hf_assets"]``; a ``Checkpointer`` given a Hugging Face config records
-``hf_config``), or from ``--hf-assets FOLDER``. Assets are small files read whole; only the
+``hf_config``), or from ``--hf-assets`` (a folder, or a Hub repo id whose asset files alone
+are downloaded). Assets are small files read whole; only the
 allow-listed names (``hf_source.ASSET_NAMES``) are taken, from inside the folder.
 
 Tied embeddings (``"tie_word_embeddings": true`` in the config): ``lm_head.weight`` is left
@@ -47,8 +48,20 @@ def collect(storage: Storage, man: Manifest | None, hf_assets: str | os.PathLike
     if isinstance(hf_config, dict) and hf_config and "config.json" not in out:
         out["config.json"] = (json.dumps(hf_config, indent=2, sort_keys=True) + "\n").encode()
     if hf_assets is not None:
-        out.update(_from_folder(Path(os.fspath(hf_assets)).expanduser()))
+        out.update(_from_folder(_assets_folder(hf_assets)))
     return out
+
+
+def _assets_folder(src: str | os.PathLike[str]) -> Path:
+    """A local folder as it is; a Hub repo id ``org/name[@revision]`` downloaded (assets only)."""
+    from ckptool.ops.import_hf import is_repo_id
+
+    if is_repo_id(src):
+        from ckptool.ops.hub_download import download_assets
+
+        repo_id, _, revision = os.fspath(src).partition("@")
+        return download_assets(repo_id, revision or None)
+    return Path(os.fspath(src)).expanduser()
 
 
 def _from_folder(root: Path) -> dict[str, bytes]:
@@ -58,11 +71,13 @@ def _from_folder(root: Path) -> dict[str, bytes]:
                                "tokenizer files), e.g. a downloaded snapshot")
     out = {}
     base = root.resolve()
+    # A Hugging Face cache snapshot links its files to ../../blobs/: that is inside the model.
+    blobs = base.parent.parent / "blobs" if base.parent.name == "snapshots" else None
     for name in ASSET_NAMES:
         p = root / name
         if not p.is_file():
             continue
-        if p.resolve().parent != base:
+        if p.resolve().parent not in (base, blobs):
             raise ConfigError(f"--hf-assets {root}: {name} is a link leading out of the folder")
         if p.stat().st_size > MAX_ASSET_BYTES:
             raise ConfigError(f"--hf-assets {p} is {p.stat().st_size} bytes, too large for an "

@@ -62,6 +62,33 @@ def download(repo_id: str, revision: str | None = None) -> tuple[Path, dict[str,
     return root, files, sha
 
 
+def download_assets(repo_id: str, revision: str | None = None) -> Path:
+    """Download only the asset files (config, generation config, tokenizer) of a Hub model,
+    for ``consolidate --hf-assets org/name[@revision]``; no weights.
+
+    Returns:
+        The snapshot folder holding them.
+
+    Raises:
+        HubError: as ``download``; CheckpointNotFoundError: the repo has no ``config.json``.
+    """
+    from huggingface_hub import HfApi, hf_hub_download
+
+    api = HfApi()
+    where = f"{repo_id}@{revision or 'main'}"
+    with _errors(api.endpoint, where):
+        info = api.model_info(repo_id, revision=revision)
+        sha = info.sha or revision or "main"
+        top = {s.rfilename for s in info.siblings or [] if "/" not in s.rfilename}
+        if "config.json" not in top:
+            raise CheckpointNotFoundError(f"{where} has no config.json", path=where,
+                                          hint="Pass the repo of the model this checkpoint was "
+                                               "trained from")
+        paths = [hf_hub_download(repo_id, name, revision=sha)
+                 for name in sorted(top & set(ASSET_NAMES))]
+    return Path(paths[0]).parent
+
+
 def _shards(index_path: str, where: str) -> set[str]:
     if os.path.getsize(index_path) > MAX_HEADER:
         raise CorruptCheckpointError(f"{where}: {INDEX_NAME} is implausibly large", path=where)

@@ -180,3 +180,46 @@ def test_checkpointer_given_an_hf_config_uploads_a_loadable_repo(tmp_path, monke
 
     loaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
+def test_hf_assets_from_a_hub_repo_fetches_assets_only(hf_model, tmp_path):
+    """--hf-assets org/name through the real huggingface_hub client (local Hub server): only
+    config, generation config and tokenizer files are downloaded, never the weights."""
+    import os
+    import subprocess
+    import sys
+
+    from hub_server import HubServer
+
+    model, root = hf_model
+    files = {p.name: p.read_bytes() for p in (root / "pretrained").iterdir()}
+    with HubServer() as hub:
+        hub.put_files("org/base", files)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+        env.update(HF_ENDPOINT=hub.url, HF_HUB_DISABLE_XET="1", HF_HOME=str(tmp_path / "hf"),
+                   HF_HUB_DISABLE_TELEMETRY="1")
+        out = tmp_path / "out"
+        proc = subprocess.run([sys.executable, "-m", "ckptool", "consolidate", str(root / "dcp"),
+                               str(out), "--hf-assets", "org/base@main"], env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        fetched = {p.rsplit("/", 1)[-1] for _, p in hub.requests if "/resolve/" in p}
+    assert "model.safetensors" not in fetched and "config.json" in fetched
+    assert "tokenizer.json" in fetched
+    _assert_loads_as_is(out, model)
+
+
+def test_hf_assets_link_out_of_the_folder_is_refused(hf_model, tmp_path):
+    """An asset that links elsewhere (say, to a secret) is never copied into an export."""
+    from ckptool.errors import ConfigError
+
+    _, root = hf_model
+    folder = tmp_path / "assets"
+    folder.mkdir()
+    (folder / "config.json").write_bytes((root / "pretrained" / "config.json").read_bytes())
+    secret = tmp_path / "secret.txt"
+    secret.write_text("token")
+    (folder / "tokenizer.json").symlink_to(secret)
+    with pytest.raises(ConfigError, match="tokenizer.json is a link leading out of the folder"):
+        consolidate(root / "dcp", tmp_path / "out", hf_assets=folder)
+    assert not (tmp_path / "out").exists()
