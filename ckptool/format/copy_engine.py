@@ -84,7 +84,7 @@ def new_output_folder(dst: str | os.PathLike[str], *, force: bool, verb: str,
 
     Raises:
         ConfigError: ``dst`` is a URL, is or holds ``source``, already exists (without
-            ``force``), or is a file.
+            ``force``), is a file, or (with ``force``) holds files that are not a checkpoint's.
     """
     if is_url(dst):
         raise ConfigError(f"{os.fspath(dst)}: {verb} writes to a local folder; write locally "
@@ -97,6 +97,19 @@ def new_output_folder(dst: str | os.PathLike[str], *, force: bool, verb: str,
                           hint="Pass --force to replace it, or choose another DST")
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{out} exists and is not a folder; remove it or choose another DST")
+    if out.is_dir():  # --force replaces a checkpoint, never a folder of someone's other files
+        foreign = sorted(p.name for p in out.iterdir() if not _checkpoint_file(p.name))
+        if foreign:
+            shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4
+                                              else "")
+            raise ConfigError(f"{out} holds files that are not a checkpoint's ({shown}); "
+                              "--force replaces only a checkpoint folder",
+                              hint="Remove them, or choose another DST")
     out.parent.mkdir(parents=True, exist_ok=True)
     return out
+
+
+def _checkpoint_file(name: str) -> bool:
+    return (name in (".metadata", "ckptool.json", "hf_assets") or name.endswith(".distcp")
+            or name.startswith(".ckptool"))
 

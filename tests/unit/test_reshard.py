@@ -295,6 +295,11 @@ def test_existing_destination_needs_force(tmp_path, capsys):
     code, _, err = _cli(capsys, str(tmp_path / "src"), str(tmp_path / "out"), "--to", "2")
     assert code == 1 and "already exists. Pass --force to replace it" in err
     assert os.listdir(tmp_path / "out") == ["keep"]
+    code, _, err = _cli(capsys, str(tmp_path / "src"), str(tmp_path / "out"), "--to", "2",
+                        "--force")  # --force replaces a checkpoint, not someone's files
+    assert code == 1 and "not a checkpoint's (keep)" in err
+    assert os.listdir(tmp_path / "out") == ["keep"]
+    (tmp_path / "out" / "keep").unlink()
     code, out, _ = _cli(capsys, str(tmp_path / "src"), str(tmp_path / "out"), "--to", "2",
                         "--force", "--json")
     assert code == 0
@@ -364,3 +369,15 @@ def test_interrupt_from_progress_leaves_nothing(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         reshard(tmp_path / "src", tmp_path / "out", world_size=2, progress=stop)
     assert _siblings(tmp_path / "src") == ["src"]
+
+
+def test_force_replaces_a_checkpoint_never_a_folder_of_other_files(tmp_path):
+    make_source(tmp_path / "src", 2)
+    dst = tmp_path / "dst"
+    reshard(tmp_path / "src", dst, world_size=1)
+    reshard(tmp_path / "src", dst, world_size=3, force=True)  # a checkpoint: replaced
+    assert len(list(dst.glob("*.distcp"))) == 3
+    (dst / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="not a checkpoint's \\(notes.txt\\)"):
+        reshard(tmp_path / "src", dst, world_size=2, force=True)
+    assert (dst / "notes.txt").read_text() == "mine" and len(list(dst.glob("*.distcp"))) == 3
