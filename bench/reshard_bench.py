@@ -104,7 +104,7 @@ def dcp_route(src: str, dst: str, m: int) -> None:
 
 def describe(ckpt: Path, m: int) -> dict[str, object]:
     from ckptool.format.metadata import read_metadata
-    from ckptool.format.dcp_writer import fsdp_chunks
+    from ckptool.format.fsdp_layout import fsdp_chunks
     from ckptool.storage import Storage
 
     meta = read_metadata(Storage.open(ckpt))

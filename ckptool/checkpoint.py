@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptool.errors import CkptError, ConfigError, CorruptCheckpointError, IncompatibleCheckpointError
-from ckptool.format import layout
+from ckptool.format import checkpoint_dirs as layout
 from ckptool.format import manifest as mf
 from ckptool.storage import Storage, is_url
 

@@ -22,7 +22,6 @@ last, through a temporary name (DCP's commit protocol).
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import struct
@@ -31,8 +30,9 @@ from typing import Any
 from ckptool.errors import IncompatibleCheckpointError
 from ckptool.format import _dcp_compat
 from ckptool.format.dtypes import DType
-from ckptool.format.items import contiguous_strides, crc32
-from ckptool.format.metadata import METADATA, CheckpointMetadata, Chunk, StorageRef
+from ckptool.format.torch_records import contiguous_strides
+from ckptool.format.crc import crc32
+from ckptool.format.metadata import METADATA, CheckpointMetadata, StorageRef
 
 _MAX32 = 0xFFFFFFFF
 _ALIGN = 64
@@ -251,118 +251,6 @@ def tensor_record(dtype: DType, shape: tuple[int, ...], data: bytes) -> bytes:
     if len(data) != rec.nbytes:
         raise ValueError(f"{len(data)} bytes given for {dtype} {list(shape)} ({rec.nbytes})")
     return rec.head + data + rec.tail(crc32(data))
-
-
-# ---------------------------------------------------------------------------------------------
-# CRC-32 arithmetic: combine the CRCs of adjacent pieces without reading them again (zlib's
-# crc32_combine, which Python's zlib does not expose).
-
-_POLY = 0xEDB88320
-
-
-def _multmodp(a: int, b: int) -> int:
-    m, p = 1 << 31, 0
-    while True:
-        if a & m:
-            p ^= b
-            if (a & (m - 1)) == 0:
-                return p
-        m >>= 1
-        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
-
-
-def _x2n_table() -> list[int]:
-    table, p = [], 1 << 30  # x^1
-    for _ in range(32):
-        table.append(p)
-        p = _multmodp(p, p)
-    return table
-
-
-_X2N = _x2n_table()
-
-
-@functools.lru_cache(maxsize=4096)
-def _x8nmodp(n: int) -> int:
-    """x^(8n) mod P: the operator that shifts a CRC over n zero bytes."""
-    p, k = 1 << 31, 3
-    while n:
-        if n & 1:
-            p = _multmodp(_X2N[k & 31], p)
-        n >>= 1
-        k += 1
-    return p
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """CRC-32 of ``A + B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)`` (zlib's algorithm).
-
-    Args:
-        crc1, crc2: CRC-32 of the first and second piece.
-        len2: length of the second piece in bytes.
-
-    Returns:
-        ``zlib.crc32(A + B)``, without reading either piece.
-
-    Example:
-        >>> crc32_combine(zlib.crc32(b"ab"), zlib.crc32(b"cd"), 2) == zlib.crc32(b"abcd")
-        True
-    """
-    return _multmodp(_x8nmodp(len2), crc1) ^ crc2
-
-
-# ---------------------------------------------------------------------------------------------
-# The layout DCP records for FSDP2 on M ranks
-
-
-def shard_rows(n: int, world_size: int, rank: int) -> tuple[int, int]:
-    """Rows ``[lo, hi)`` of an n-row tensor that FSDP2 gives ``rank`` (``torch.chunk`` on dim 0).
-
-    Args:
-        n: rows of the tensor (its dim 0).
-        world_size: ranks sharing it.
-        rank: the rank asked about.
-
-    Returns:
-        ``(lo, hi)``; ``ceil(n / world_size)`` rows per rank, the last ranks get fewer or none
-        (then ``lo == hi == n``, the offset DCP records for an empty shard).
-
-    Example:
-        >>> [shard_rows(10, 4, r) for r in range(4)]
-        [(0, 3), (3, 6), (6, 9), (9, 10)]
-    """
-    per = -(-n // world_size)
-    lo = min(rank * per, n)
-    return lo, min(lo + per, n)
-
-
-def fsdp_chunks(shape: tuple[int, ...], world_size: int) -> list[tuple[int, Chunk]]:
-    """(rank, chunk) pairs DCP records for an FSDP2 ``Shard(0)`` tensor on ``world_size`` ranks.
-
-    Args:
-        shape: the global shape (``()``: a 0-dim tensor, held whole by rank 0).
-        world_size: ranks sharing it.
-
-    Returns:
-        One chunk per rank that owns rows, in rank order, with ``storage=None``. Empty shards
-        all sit at offset ``n`` (as DCP records them); that chunk is recorded once, on the
-        lowest empty rank (DCP's ``dedup_save_to_lowest_rank``).
-
-    Example:
-        >>> [(r, c.offsets, c.sizes) for r, c in fsdp_chunks((10, 6), 8)][-1]
-        (5, (10, 0), (0, 6))
-    """
-    if not shape:
-        return [(0, Chunk((), (), None))]
-    out, empty_seen = [], False
-    for rank in range(world_size):
-        lo, hi = shard_rows(shape[0], world_size, rank)
-        if hi == lo:
-            if empty_seen:
-                continue
-            empty_seen = True
-        out.append((rank, Chunk((lo,) + (0,) * (len(shape) - 1), (hi - lo,) + shape[1:], None)))
-    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ through it. Here the handful of classes that legitimately occur are mapped to lo
 
 Owns: the index model (``CheckpointMetadata``, ``TensorEntry``, ``Chunk``, ``StorageRef``).
 Which keys are the model, the optimizer or the rest is ``state_layout.py``'s business; bytes
-inside ``.distcp`` records are ``items.py``'s; checking geometry and files is
+inside ``.distcp`` records are ``torch_records.py``'s; checking geometry and files is
 ``ops/validate.py``'s.
 """
 

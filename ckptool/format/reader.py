@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ckptool.errors import CorruptCheckpointError
-from ckptool.format.items import RecordReader, TensorLocation, ZipEntry, contiguous_strides
+from ckptool.format.torch_records import RecordReader, TensorLocation, ZipEntry, contiguous_strides
 from ckptool.format.metadata import CheckpointMetadata, Chunk, StorageRef, TensorEntry, read_metadata
 from ckptool.storage import RangeReader, Storage
 

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ckptool.errors import CorruptCheckpointError
-from ckptool.format.dcp_writer import crc32_combine
+from ckptool.format.crc import crc32_combine
 from ckptool.format.metadata import Chunk, TensorEntry
 from ckptool.format.reader import CheckpointReader, ChunkBytes
 from ckptool.storage import BLOCK, RangeReader

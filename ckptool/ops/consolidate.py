@@ -32,13 +32,13 @@ from ckptool._version import __version__
 from ckptool.errors import (CheckpointNotFoundError, ChecksumError, ConfigError,
                             CorruptCheckpointError, IncompleteCheckpointError, NoCheckpointError)
 from ckptool.format.dtypes import CAST_TARGETS, DTYPES, DType
-from ckptool.format.layout import CheckpointDir, resolve_checkpoint, step_of
+from ckptool.format.checkpoint_dirs import CheckpointDir, resolve_checkpoint, step_of
 from ckptool.format.manifest import Manifest, read_manifest
 from ckptool.format.metadata import CheckpointMetadata, Chunk, TensorEntry
 from ckptool.format.state_layout import StateLayout, read_layout
 from ckptool.ops import hf_assets as hf_assets_mod
 from ckptool.format.copy_engine import Progress, Ticker, run_jobs
-from ckptool.format.items import crc32
+from ckptool.format.crc import crc32
 from ckptool.format.reader import ChunkBytes, CheckpointReader, rowmajor
 from ckptool.format.safetensors_writer import (CASTABLE, INDEX_NAME, FileLayout, OutputFile,
                                                StagedOutput, TensorSpec, cast_bytes, index_json,

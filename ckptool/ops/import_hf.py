@@ -34,11 +34,12 @@ from pathlib import Path
 from ckptool._version import __version__
 from ckptool.errors import ConfigError, CorruptCheckpointError, IncompatibleCheckpointError
 from ckptool.format import manifest as mf
-from ckptool.format.dcp_writer import (V2_DTYPES, DistcpFile, TensorRecord, crc32_combine,
-                                       fsdp_chunks, write_metadata)
+from ckptool.format.dcp_writer import V2_DTYPES, DistcpFile, TensorRecord, write_metadata
+from ckptool.format.crc import crc32_combine
+from ckptool.format.fsdp_layout import fsdp_chunks
 from ckptool.format.dtypes import DTYPES, DType
 from ckptool.format.hf_source import HFSource, SourceTensor, open_source
-from ckptool.format.items import crc32
+from ckptool.format.crc import crc32
 from ckptool.format.metadata import METADATA, CheckpointMetadata, Chunk, StorageRef, TensorEntry
 from ckptool.format.reader import CheckpointReader
 from ckptool.format.safetensors_writer import CASTABLE, cast_bytes

@@ -11,7 +11,7 @@ from typing import Any
 
 from ckptool.errors import CkptError
 from ckptool.format import manifest as mf
-from ckptool.format.layout import CheckpointDir, classify, list_checkpoints, resolve_checkpoint
+from ckptool.format.checkpoint_dirs import CheckpointDir, classify, list_checkpoints, resolve_checkpoint
 from ckptool.format.metadata import read_metadata
 from ckptool.format.state_layout import describe, read_layout
 from ckptool.ops.validate import validate

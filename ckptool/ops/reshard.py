@@ -34,10 +34,11 @@ from pathlib import Path
 from ckptool._version import __version__
 from ckptool.errors import ConfigError, IncompatibleCheckpointError
 from ckptool.format import manifest as mf
-from ckptool.format.dcp_writer import (DistcpFile, TensorRecord, crc32_combine, fsdp_chunks,
-                                       write_metadata)
-from ckptool.format.items import crc32
-from ckptool.format.layout import CheckpointDir, resolve_checkpoint, step_of
+from ckptool.format.dcp_writer import DistcpFile, TensorRecord, write_metadata
+from ckptool.format.crc import crc32_combine
+from ckptool.format.fsdp_layout import fsdp_chunks
+from ckptool.format.crc import crc32
+from ckptool.format.checkpoint_dirs import CheckpointDir, resolve_checkpoint, step_of
 from ckptool.format.metadata import (METADATA, BytesEntry, CheckpointMetadata, Chunk, StorageRef,
                                      TensorEntry)
 from ckptool.format.reader import CheckpointReader

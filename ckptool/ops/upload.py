@@ -321,7 +321,7 @@ def _open_source(path: str | os.PathLike[str], *, dtype: str | None,
 
 
 def _open_checkpoint(path: str) -> _Source:
-    from ckptool.format.layout import resolve_checkpoint
+    from ckptool.format.checkpoint_dirs import resolve_checkpoint
     from ckptool.format.manifest import read_manifest
 
     try:

@@ -29,8 +29,8 @@ from ckptool.errors import (
     UnsafeInputError,
 )
 from ckptool.format import manifest as mf
-from ckptool.format.items import RecordReader, RecordTemplate, TensorLocation
-from ckptool.format.layout import CheckpointDir, resolve_checkpoint
+from ckptool.format.torch_records import RecordReader, RecordTemplate, TensorLocation
+from ckptool.format.checkpoint_dirs import CheckpointDir, resolve_checkpoint
 from ckptool.format.metadata import CheckpointMetadata, StorageRef, TensorEntry, read_metadata
 from ckptool.format import safetensors_source as sts
 from ckptool.format.reader import CheckpointReader

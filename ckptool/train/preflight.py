@@ -86,7 +86,7 @@ def check_resume_from(path: str) -> str:
     Raises:
         ConfigError: missing, holding no checkpoint, or not loadable; one line naming the option.
     """
-    from ckptool.format.layout import resolve_checkpoint
+    from ckptool.format.checkpoint_dirs import resolve_checkpoint
     from ckptool.ops.validate import validate
     from ckptool.storage import is_url
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ckptool.cli import main
-from ckptool.format.layout import list_checkpoints, resolve_checkpoint
+from ckptool.format.checkpoint_dirs import list_checkpoints, resolve_checkpoint
 from ckptool.format.metadata import read_metadata
 from ckptool.format.safetensors_source import read_header
 from ckptool.storage import Storage

@@ -21,7 +21,7 @@ from click.testing import CliRunner
 
 from ckptool.cli import cli
 from ckptool.errors import CorruptCheckpointError
-from ckptool.format.items import RecordReader, SavedBytes
+from ckptool.format.torch_records import RecordReader, SavedBytes
 from ckptool.format.metadata import read_metadata
 from ckptool.ops.consolidate import consolidate
 from ckptool.ops.inspect import inspect

@@ -25,7 +25,7 @@ from ckptool.format.dtypes import DTYPES
 from ckptool.format.metadata import (BytesEntry, CheckpointMetadata, Chunk, TensorEntry,
                                      read_metadata)
 from ckptool.format.reader import CheckpointReader
-from ckptool.format.dcp_writer import fsdp_chunks, shard_rows
+from ckptool.format.fsdp_layout import fsdp_chunks, shard_rows
 from ckptool.ops.reshard import default_destination, reshard
 from ckptool.storage import Storage
 

@@ -17,8 +17,8 @@ import pytest
 
 from ckptool.errors import IncompatibleCheckpointError
 from ckptool.format import _dcp_compat
-from ckptool.format.dcp_writer import (V2_DTYPES, DistcpFile, TensorRecord, crc32_combine,
-                                       tensor_record, write_metadata)
+from ckptool.format.dcp_writer import V2_DTYPES, DistcpFile, TensorRecord, tensor_record, write_metadata
+from ckptool.format.crc import crc32_combine
 from ckptool.format.dtypes import DTYPES
 from ckptool.format.metadata import (BytesEntry, CheckpointMetadata, Chunk, TensorEntry,
                                      parse_metadata, read_metadata)

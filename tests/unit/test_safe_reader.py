@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from ckptool.errors import CorruptCheckpointError, IncompleteCheckpointError
-from ckptool.format.items import RecordReader
+from ckptool.format.torch_records import RecordReader
 from ckptool.format.metadata import parse_metadata, read_metadata
 from ckptool.format.state_layout import read_layout
 from ckptool.storage import Storage

@@ -23,10 +23,7 @@ from ckptool.format.metadata import StorageRef
 from ckptool.format.safe_pickle import UnsafePickleError, safe_loads
 from ckptool.storage import BLOCK, RangeReader
 
-try:  # ISA-L's CRC-32 is ~5x faster than zlib's here (docs/BENCHMARKS.md); same values
-    from isal.isal_zlib import crc32
-except ImportError:  # pragma: no cover - isal is a dependency, but stay usable without it
-    from zlib import crc32
+from ckptool.format.crc import crc32
 
 _EOCD = b"PK\x05\x06"
 _EOCD64_LOC = b"PK\x06\x07"
