@@ -43,7 +43,7 @@ from ckptool.format.reader import ChunkBytes, CheckpointReader, rowmajor
 from ckptool.format.safetensors_writer import (CASTABLE, INDEX_NAME, FileLayout, OutputFile,
                                                StagedOutput, TensorSpec, cast_bytes, index_json,
                                                plan_file, shard_filenames, split_shards)
-from ckptool.storage import BLOCK, is_url
+from ckptool.storage import BLOCK, Storage, is_url
 
 #: huggingface_hub's default ``max_shard_size``.
 DEFAULT_MAX_SHARD = 5 * 10**9
@@ -151,63 +151,94 @@ def consolidate(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
     """
     t0 = time.perf_counter()
     cast = _cast_target(dtype)
-    if max_shard_size is not None and max_shard_size <= 0:
-        raise ConfigError(f"--max-shard-size must be positive, got {max_shard_size}")
-    dst = _local_dst(dst)
-    single = dst.suffix == ".safetensors" and not dst.is_dir()
-    if single and max_shard_size is not None:
-        raise ConfigError(f"--max-shard-size applies to a folder output; {dst.name} is one file",
-                          hint="Drop --max-shard-size, or give a folder as OUTPUT to get shards")
+    dst, single = _output(dst, max_shard_size, hf_assets)
     ckpt, meta = _open_source(src)
     _check_destination(dst, ckpt)
-    man = read_manifest(ckpt.part(ckpt.model_part))
+    plan = _plan(ckpt, meta, dst, single, cast=cast, max_shard_size=max_shard_size,
+                 include=include, exclude=exclude, keep_prefix=keep_prefix, model_key=model_key,
+                 keep_wrappers=keep_wrappers, hf_assets=hf_assets)
+    nworkers = workers or (2 if plan.storage.is_local else 1)
+    inline = cast is not None or verify or not plan.storage.is_local
+    staged = StagedOutput(dst, single=single, replace=force)
+    with CheckpointReader(plan.storage, meta) as ck, staged as out_dir:
+        paths = [out_dir / lay.filename for lay in plan.layouts] if not single else [out_dir]
+        copier = _Copier(ck, check_crc=check_crc, track=verify, inline=inline)
+        copier.run(paths, plan.layouts, plan.pieces, plan.whole, nworkers, progress)
+        if len(plan.layouts) > 1:
+            (out_dir / INDEX_NAME).write_bytes(index_json(plan.layouts))
+        for name, data in plan.assets.items():
+            (out_dir / name).write_bytes(data)
+        for out in copier.outs if verify else ():
+            out.verify()
+    files = [dst] if single else [dst / lay.filename for lay in plan.layouts]
+    files += [dst / INDEX_NAME] if len(plan.layouts) > 1 else []
+    files += [dst / name for name in sorted(plan.assets)]
+    return ConsolidateResult(
+        source=plan.storage.url, destination=str(dst), files=tuple(map(str, files)),
+        tensors=len(plan.selected), bytes=sum(lay.data_bytes for lay in plan.layouts),
+        seconds=time.perf_counter() - t0, step=_int_or_none(plan.header.get("source_step")),
+        world_size=meta.world_size, dtype=cast.name if cast else None, verified=verify,
+        note=plan.note, removed=tuple(staged.removed), assets=tuple(sorted(plan.assets)),
+        tied=plan.tied)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Everything decided from the index before a byte is copied."""
+
+    storage: Storage
+    selected: list[tuple[TensorEntry, str]]
+    layouts: list[FileLayout]
+    pieces: list[_Piece]
+    whole: list[_Piece]
+    assets: dict[str, bytes]     # written beside the weights (folder output only)
+    header: dict[str, str]
+    tied: str | None
+    note: str | None
+
+
+def _output(dst: str | os.PathLike[str], max_shard_size: int | None,
+            hf_assets: str | os.PathLike[str] | None) -> tuple[Path, bool]:
+    """The local output path and whether it is one file; options that cannot apply refused."""
+    if max_shard_size is not None and max_shard_size <= 0:
+        raise ConfigError(f"--max-shard-size must be positive, got {max_shard_size}")
+    path = _local_dst(dst)
+    single = path.suffix == ".safetensors" and not path.is_dir()
+    if single and max_shard_size is not None:
+        raise ConfigError(f"--max-shard-size applies to a folder output; {path.name} is one file",
+                          hint="Drop --max-shard-size, or give a folder as OUTPUT to get shards")
+    if single and hf_assets is not None:
+        raise ConfigError("--hf-assets needs a folder OUTPUT (from_pretrained loads a folder)",
+                          hint=f"Give a folder instead of {path.name}")
+    return path, single
+
+
+def _plan(ckpt: CheckpointDir, meta: CheckpointMetadata, dst: Path, single: bool, *,
+          cast: DType | None, max_shard_size: int | None, include: Iterable[str],
+          exclude: Iterable[str], keep_prefix: bool, model_key: str | None, keep_wrappers: bool,
+          hf_assets: str | os.PathLike[str] | None) -> _Plan:
+    storage = ckpt.part(ckpt.model_part)
+    man = read_manifest(storage)
     layout = read_layout(meta, model_key=model_key, keep_wrappers=keep_wrappers,
                          ckptool_manifest=man is not None, where=ckpt.url)
     selected = _select(meta, layout, include, exclude, keep_prefix, ckpt.url)
-    storage = ckpt.part(ckpt.model_part)
     assets = hf_assets_mod.collect(storage, man, hf_assets)
-    if single and hf_assets is not None:
-        raise ConfigError("--hf-assets needs a folder OUTPUT (from_pretrained loads a folder)",
-                          hint=f"Give a folder instead of {dst.name}")
-    tied = None
-    if not single and not keep_prefix:
+    tied, note = None, layout.note
+    if single and assets:
+        note = "; ".join(filter(None, [note, "the checkpoint knows its config.json and tokenizer "
+                                       "files: give a folder OUTPUT to write them beside the "
+                                       "weights (from_pretrained loads a folder)"]))
+        assets = {}
+    elif not single and not keep_prefix:
         with CheckpointReader(storage, meta) as ck:
             selected, tied = hf_assets_mod.untie(ck, selected, hf_assets_mod.config_of(assets))
     specs = [TensorSpec(name, _out_dtype(t.dtype, cast), t.shape) for t, name in selected]
     groups = [specs] if single else split_shards(specs, max_shard_size or DEFAULT_MAX_SHARD)
     names = [dst.name] if single else shard_filenames(len(groups))
-    header_meta = _provenance(ckpt, meta, man, cast)
-    layouts = [plan_file(n, g, header_meta) for n, g in zip(names, groups)]
+    header = _provenance(ckpt, meta, man, cast)
+    layouts = [plan_file(n, g, header) for n, g in zip(names, groups)]
     pieces, whole = _plan_copies(selected, layouts, cast)
-    nworkers = workers or (2 if storage.is_local else 1)
-    inline = cast is not None or verify or not storage.is_local
-    staged = StagedOutput(dst, single=single, replace=force)
-    with CheckpointReader(storage, meta) as ck, staged as out_dir:
-        paths = [out_dir / lay.filename for lay in layouts] if not single else [out_dir]
-        copier = _Copier(ck, check_crc=check_crc, track=verify, inline=inline)
-        copier.run(paths, layouts, pieces, whole, nworkers, progress)
-        if len(layouts) > 1:
-            (out_dir / INDEX_NAME).write_bytes(index_json(layouts))
-        for name, data in assets.items() if not single else ():
-            (out_dir / name).write_bytes(data)
-        for out in copier.outs if verify else ():
-            out.verify()
-    files = [dst] if single else [dst / lay.filename for lay in layouts]
-    files += [dst / INDEX_NAME] if len(layouts) > 1 else []
-    files += [dst / name for name in sorted(assets)] if not single else []
-    note = layout.note
-    if single and assets:
-        note = "; ".join(filter(None, [note, "the checkpoint knows its config.json and tokenizer "
-                                       "files: give a folder OUTPUT to write them beside the "
-                                       "weights (from_pretrained loads a folder)"]))
-    return ConsolidateResult(
-        source=storage.url, destination=str(dst), files=tuple(map(str, files)),
-        tensors=len(specs), bytes=sum(lay.data_bytes for lay in layouts),
-        seconds=time.perf_counter() - t0, step=_int_or_none(header_meta.get("source_step")),
-        world_size=meta.world_size,
-        dtype=cast.name if cast else None, verified=verify, note=note,
-        removed=tuple(staged.removed), assets=tuple(sorted(assets)) if not single else (),
-        tied=tied)
+    return _Plan(storage, selected, layouts, pieces, whole, assets, header, tied, note)
 
 
 # ---------------------------------------------------------------------------------------------
