@@ -104,3 +104,17 @@ def spawn_ranks(fn, m: int, src: str, dst: str) -> None:
         rss = [int(Path(f"{tmp}/rss.{r}").read_text()) for r in range(m)]
     print(json.dumps({"rss_sum_mib": sum(rss) / 1024}))
 
+
+def tool_table(results: dict[str, list[dict]]) -> list[str]:
+    """Markdown rows: per tool, min / median / max of wall, wall + sync and peak RSS (plus the
+    summed RSS of all ranks for multi-process routes)."""
+    lines = ["| tool | wall (s) | wall + sync (s) | peak RSS, largest process (MiB) |",
+             "|---|---|---|---|"]
+    for name, runs in results.items():
+        rss = fmt([r["rss_mib"] for r in runs], 0)
+        if all("rss_sum_mib" in r for r in runs):
+            rss += f" (all ranks: {fmt([r['rss_sum_mib'] for r in runs], 0)})"
+        lines.append(f"| `{name}` | {fmt([r['wall'] for r in runs])} | "
+                     f"{fmt([r['wall_sync'] for r in runs])} | {rss} |")
+    return lines
+

@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import (check, drop_caches, fmt, mem_gib, record_rss, run_once,  # noqa: E402
-                     spawn_ranks, write_section)
+                     spawn_ranks, tool_table, write_section)
 
 SECTION = "## import"
 SHAPES = {"hidden": 2048, "ff": 5632, "heads": 32, "kv_heads": 4, "vocab": 32000}
@@ -170,14 +170,7 @@ def render(results: dict[str, list[dict[str, float]]], info: dict) -> str:
              f"{info['peer_runs']}), interleaved; "
              "min / **median** / max. 1-minute load average before the runs (other jobs on the "
              f"machine): {fmt([r['load'] for v in results.values() for r in v], 1)}.\n",
-             "| tool | wall (s) | wall + sync (s) | peak RSS, largest process (MiB) |",
-             "|---|---|---|---|"]
-    for name, runs in results.items():
-        rss = fmt([r["rss_mib"] for r in runs], 0)
-        if all("rss_sum_mib" in r for r in runs):
-            rss += f" (all ranks: {fmt([r['rss_sum_mib'] for r in runs], 0)})"
-        lines.append(f"| `{name}` | {fmt([r['wall'] for r in runs])} | "
-                     f"{fmt([r['wall_sync'] for r in runs])} | {rss} |")
+             *tool_table(results)]
     lines += ["", "Targets (medians):", ""] + targets(results, info)
     lines += ["", f"Commands: `{info['gen']}` then `{info['bench']}`.", ""]
     return "\n".join(lines)
