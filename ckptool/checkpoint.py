@@ -31,7 +31,6 @@ import os
 import shutil
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +38,9 @@ from typing import Any
 from ckptool.errors import CkptError, ConfigError, CorruptCheckpointError, IncompatibleCheckpointError
 from ckptool.format import checkpoint_dirs as layout
 from ckptool.format import manifest as mf
+from ckptool.run_folder import (deleting_leftovers, fsync_dir, latest_valid, remove_local,
+                                remove_remote, retention_victims, step_checkpoints,
+                                validation_problem)
 from ckptool.storage import Storage, is_url
 
 logger = logging.getLogger(__name__)
@@ -103,58 +105,6 @@ def _broadcast(obj: Any) -> Any:
     box = [obj]
     d.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def latest_valid(run: str | os.PathLike[str]) -> layout.CheckpointDir | None:
-    """The newest ``step_N`` checkpoint in ``run`` that is committed and passes ``validate``."""
-    from ckptool.ops.validate import validate
-
-    for ckpt in reversed(step_checkpoints(run)):
-        if ckpt.committed and validate(ckpt).ok:
-            return ckpt
-    return None
-
-
-def step_checkpoints(run: str | os.PathLike[str]) -> list[layout.CheckpointDir]:
-    """``step_N`` folders in ``run`` (committed or not), oldest first; [] if ``run`` is missing.
-
-    ``run`` may be a local folder or an fsspec URL (listed fresh, never from fsspec's cache)."""
-    if is_url(run):
-        storage = Storage.open(run)
-        if not storage.isdir():
-            return []
-        found = layout.list_checkpoints(storage)
-    elif not os.path.isdir(run):
-        return []
-    else:
-        found = layout.list_checkpoints(run)
-    # Only DCP folders: a step folder of safetensors (an HF-format export) is neither resumed
-    # from nor deleted by retention.
-    return [c for c in found if c.step is not None and c.name == f"step_{c.step}"
-            and c.kind == "dcp"]
-
-
-def retention_victims(found: list[layout.CheckpointDir], keep: int, *,
-                      inflight: int | None = None) -> list[layout.CheckpointDir]:
-    """Which ``step_N`` folders retention deletes.
-
-    Committed checkpoints beyond the newest ``keep`` (0 keeps all), and uncommitted (torn)
-    folders older than the newest committed one. Never the newest committed checkpoint,
-    never an uncommitted folder newer than it (it may be a save in flight elsewhere), never
-    the step ``inflight``. With no committed checkpoint nothing is deleted.
-
-    Example:
-        >>> [c.name for c in retention_victims(step_checkpoints("runs/x"), keep=2)]
-        ['step_100', 'step_150']
-    """
-    committed = [c for c in found if c.committed]
-    if not committed:
-        return []
-    newest = committed[-1].step
-    kept = committed[-keep:] if keep else committed
-    return [c for c in found
-            if (c.committed and c not in kept)
-            or (not c.committed and c.step < newest and c.step != inflight)]
 
 
 class Checkpointer:
@@ -291,12 +241,12 @@ class Checkpointer:
             if isinstance(self.root, str):
                 if Storage.open(path).exists():
                     logger.warning("replacing existing %s", path)
-                    _remove_remote(self.root, _name(path))
+                    remove_remote(self.root, _name(path))
             else:
                 self.root.mkdir(parents=True, exist_ok=True)
                 if path.exists():
                     logger.warning("replacing existing %s", path)
-                    _remove(self.root, path.name)
+                    remove_local(self.root, path.name)
         _barrier()
 
     def _start_async(self, state: dict[str, Any], step: int, path: Path | str, loss: float | None,
@@ -345,14 +295,14 @@ class Checkpointer:
         # store has no folders: each PUT is durable once it returns.)
         local = isinstance(path, Path)
         if local:
-            _fsync_dir(path)
+            fsync_dir(path)
         storage = Storage.open(path)
         manifest = mf.build_manifest(storage, step=step, world_size=_world_size(), loss=loss,
                                      config=self.config)
         manifest.files.update(self._write_assets(storage))
         mf.write_manifest(storage, manifest)
         if local:
-            _fsync_dir(path)
+            fsync_dir(path)
         logger.info("saved %s", path)
         self._retain()
 
@@ -409,12 +359,12 @@ class Checkpointer:
         for c in retention_victims(step_checkpoints(self.root), self.keep, inflight=inflight):
             logger.info("retention: removing %s", c.url)
             if isinstance(self.root, str):
-                _remove_remote(self.root, c.name)
+                remove_remote(self.root, c.name)
             else:
-                _remove(self.root, c.name)
+                remove_local(self.root, c.name)
         if isinstance(self.root, str):
             return  # remote removal renames nothing, so it leaves no hidden leftovers
-        for leftover in _deleting_leftovers(self.root):  # from a removal a crash cut short
+        for leftover in deleting_leftovers(self.root):  # from a removal a crash cut short
             shutil.rmtree(self.root / leftover, ignore_errors=True)
 
     # -- loading ----------------------------------------------------------------------------
@@ -468,7 +418,7 @@ class Checkpointer:
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         if check:
-            problem = _broadcast(_validation_problem(path) if _rank() == 0 else None)
+            problem = _broadcast(validation_problem(path) if _rank() == 0 else None)
             if problem is not None:
                 raise CorruptCheckpointError(f"{path} is not a loadable checkpoint: {problem}", path=str(path),
                                              hint=f"Run 'ckptool validate {path}' for details")
@@ -568,7 +518,7 @@ def _load_model_weights(model: Any, path: str) -> None:
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          set_model_state_dict)
 
-    problem = _broadcast(_validation_problem(path) if _rank() == 0 else None)
+    problem = _broadcast(validation_problem(path) if _rank() == 0 else None)
     if problem is not None:
         raise CorruptCheckpointError(f"{path} is not a loadable checkpoint: {problem}", path=path,
                                      hint=f"Run 'ckptool validate {path}' for details")
@@ -587,64 +537,6 @@ def _load_model_weights(model: Any, path: str) -> None:
 def _name(path: str | os.PathLike[str]) -> str:
     """The last component of a path or URL."""
     return os.fspath(path).rstrip("/").rsplit("/", 1)[-1]
-
-
-def _remove_remote(root: str, name: str) -> None:
-    """Remove the remote folder ``root/name``, ``.metadata`` first.
-
-    An object store cannot rename a folder atomically (s3fs copies and deletes each object),
-    so ``_remove``'s trick does not carry over. Deleting ``.metadata`` first makes the folder
-    uncommitted at once: a crash part-way leaves a torn folder, which resume skips and the
-    next retention pass removes, never a "committed" one with files missing.
-    """
-    storage = Storage.open(root).child(name)
-    storage.remove_tree(layout.METADATA)  # removes a single file too
-    storage.remove_tree()
-
-
-def _remove(root: Path, name: str) -> None:
-    """Remove the folder ``root/name``, first renaming it to a hidden ``.name.deleting-*``.
-
-    A crash in the middle of ``rmtree`` could otherwise leave ``.metadata`` beside a missing
-    ``.distcp`` file: a committed checkpoint that fails validation. The rename is atomic, and
-    ``layout.list_checkpoints`` skips hidden folders, so the checkpoint vanishes at once.
-    """
-    hidden = root / f".{name}.deleting-{uuid.uuid4().hex[:8]}"
-    try:
-        os.replace(root / name, hidden)
-    except FileNotFoundError:
-        return
-    shutil.rmtree(hidden, ignore_errors=True)
-
-
-def _deleting_leftovers(root: Path) -> list[str]:
-    try:
-        return [n for n in os.listdir(root) if n.startswith(".step_") and ".deleting-" in n]
-    except OSError:
-        return []
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some file systems cannot fsync a folder; the files themselves were synced
-    finally:
-        os.close(fd)
-
-
-def _validation_problem(path: str | os.PathLike[str]) -> str | None:
-    from ckptool.ops.validate import validate
-
-    try:
-        report = validate(path)
-    except CkptError as e:  # missing path, not a checkpoint: every rank must hear about it
-        return str(e)
-    return None if report.ok else str(report.errors[0])
 
 
 def _model_mismatch(path: str | os.PathLike[str], shapes: dict[str, tuple[int, ...]]) -> str | None:

@@ -17,7 +17,8 @@ import torch
 from click.testing import CliRunner
 
 from _dist import load_tensors
-from ckptool.checkpoint import _remove_remote, retention_victims, step_checkpoints
+from ckptool.checkpoint import retention_victims, step_checkpoints
+from ckptool.run_folder import remove_remote as _remove_remote
 from ckptool.cli import cli
 from ckptool.errors import ConfigError
 from ckptool.format.manifest import read_manifest

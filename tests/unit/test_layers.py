@@ -16,10 +16,12 @@ ROOT = Path(ckptool.__file__).parent
 # layer -> layers it may import (besides itself). Top to bottom: cli, ops/train, checkpoint,
 # format, storage/errors. ops may use train.sizes (the torch-free model description).
 ALLOWED = {
-    "cli": {"ops", "train", "checkpoint", "format", "storage", "errors", "_version"},
+    "cli": {"ops", "train", "checkpoint", "run_folder", "format", "storage", "errors", "_version"},
     "ops": {"ops", "format", "storage", "errors", "_version", "train.sizes"},
-    "train": {"train", "checkpoint", "ops", "format", "storage", "errors", "_version"},
-    "checkpoint": {"ops", "format", "storage", "errors", "_version"},
+    "train": {"train", "checkpoint", "run_folder", "ops", "format", "storage", "errors",
+              "_version"},
+    "checkpoint": {"run_folder", "ops", "format", "storage", "errors", "_version"},
+    "run_folder": {"ops", "format", "storage", "errors"},
     "format": {"format", "storage", "errors", "_version"},
     "storage": {"errors"},
     "errors": set(),
