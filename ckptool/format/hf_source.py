@@ -18,6 +18,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
 from ckptool.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError
@@ -33,6 +34,30 @@ ASSET_NAMES = ("config.json", "generation_config.json", "tokenizer.json", "token
                "merges.txt", "vocab.txt", "spiece.model", "sentencepiece.bpe.model",
                "chat_template.jinja", "chat_template.json", "preprocessor_config.json")
 MAX_ASSET_BYTES = 256 << 20
+
+#: The output head that ``tie_word_embeddings`` ties to the input embedding.
+HEAD_NAME = "lm_head.weight"
+#: Input embeddings of the common architectures, most specific first.
+KNOWN_EMBEDDINGS = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight",
+               "transformer.wte.weight", "model.decoder.embed_tokens.weight")
+_EMBEDDING_SUFFIXES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight",
+                       "embed_in.weight", "tok_embeddings.weight")
+
+
+def ties_embeddings(config: dict[str, Any]) -> bool:
+    """The config ties the head to the input embedding (top level, or a VLM's text config)."""
+    tie = config.get("tie_word_embeddings")
+    if tie is None and isinstance(config.get("text_config"), dict):
+        tie = config["text_config"].get("tie_word_embeddings")
+    return tie is True
+
+
+def input_embeddings(names: Iterable[str]) -> list[str]:
+    """Names that may be the tied head's input embedding: the known ones first, then others
+    with an embedding's suffix. A name only; callers check shapes, bytes or uniqueness."""
+    names = list(names)
+    known = [n for n in KNOWN_EMBEDDINGS if n in names]
+    return known + [n for n in names if n.endswith(_EMBEDDING_SUFFIXES) and n not in known]
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 

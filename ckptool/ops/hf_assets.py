@@ -22,13 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from ckptool.errors import ConfigError, CorruptCheckpointError, IncompatibleCheckpointError
-from ckptool.format.hf_source import ASSET_NAMES, MAX_ASSET_BYTES
+from ckptool.format.hf_source import (ASSET_NAMES, HEAD_NAME, MAX_ASSET_BYTES, input_embeddings,
+                                     ties_embeddings)
 from ckptool.format.manifest import Manifest
 from ckptool.format.metadata import TensorEntry
 from ckptool.format.reader import CheckpointReader
 from ckptool.storage import Storage
 
-HEAD = "lm_head.weight"
+HEAD = HEAD_NAME
 
 
 def collect(storage: Storage, man: Manifest | None, hf_assets: str | os.PathLike[str] | None
@@ -111,15 +112,14 @@ def untie(ck: CheckpointReader, selected: list[tuple[TensorEntry, str]],
         IncompatibleCheckpointError: the config says tied but the head differs from the
             embedding (the export would load a wrong head).
     """
-    if config.get("tie_word_embeddings") is not True:
+    if not ties_embeddings(config):
         return selected, None
     head = next((t for t, name in selected if name == HEAD), None)
     if head is None:
         return selected, None
-    # Input embeddings: *embed_tokens*, *word_embeddings*, ... and GPT-2's transformer.wte.
-    partners = [(t, name) for t, name in selected if name != HEAD
-                and ("emb" in name or name.endswith("wte.weight"))
-                and t.shape == head.shape and t.dtype == head.dtype]
+    by_name = {name: t for t, name in selected}
+    partners = [(by_name[n], n) for n in input_embeddings(by_name) if n != HEAD
+                and by_name[n].shape == head.shape and by_name[n].dtype == head.dtype]
     for t, name in partners:
         if _equal(ck, head, t):
             return [(t2, n) for t2, n in selected if n != HEAD], name

@@ -38,7 +38,8 @@ from ckptool.format.dcp_writer import V2_DTYPES, DistcpFile, TensorRecord, write
 from ckptool.format.crc import crc32_combine
 from ckptool.format.fsdp_layout import fsdp_chunks
 from ckptool.format.dtypes import DTYPES, DType
-from ckptool.format.hf_source import HFSource, SourceTensor, open_source
+from ckptool.format.hf_source import (HEAD_NAME, KNOWN_EMBEDDINGS, HFSource, SourceTensor,
+                                     input_embeddings, open_source, ties_embeddings)
 from ckptool.format.crc import crc32
 from ckptool.format.metadata import METADATA, CheckpointMetadata, Chunk, StorageRef, TensorEntry
 from ckptool.format.reader import CheckpointReader
@@ -223,18 +224,14 @@ def _tied_head(source: HFSource) -> tuple[str, str] | None:
     transformers keeps a tied ``lm_head.weight`` in ``state_dict()`` (both names share one
     parameter) but ``save_pretrained`` stores it once, under the embedding's name.
     """
-    cfg = source.config
-    tie = cfg.get("tie_word_embeddings")
-    if tie is None and isinstance(cfg.get("text_config"), dict):
-        tie = cfg["text_config"].get("tie_word_embeddings")
-    if tie is not True or "lm_head.weight" in source.tensors:
+    if not ties_embeddings(source.config) or HEAD_NAME in source.tensors:
         return None
-    for emb in ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight",
-                "transformer.wte.weight", "model.decoder.embed_tokens.weight"):
-        if emb in source.tensors:
-            return "lm_head.weight", emb
-    found = [n for n in source.tensors if n.endswith(("embed_tokens.weight", "wte.weight"))]
-    return ("lm_head.weight", found[0]) if len(found) == 1 else None
+    found = input_embeddings(source.tensors)
+    # A known architecture's embedding, or the only candidate; else leave the head out (a
+    # strict load then names it as missing rather than loading a guess).
+    if found and (found[0] in KNOWN_EMBEDDINGS or len(found) == 1):
+        return HEAD_NAME, found[0]
+    return None
 
 
 def _plan_ranks(plan: list[_Out], world_size: int) -> list[list[tuple[_Out, Chunk]]]:
