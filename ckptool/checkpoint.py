@@ -417,17 +417,17 @@ class Checkpointer:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        if check:
-            problem = _broadcast(validation_problem(path) if _rank() == 0 else None)
-            if problem is not None:
-                raise CorruptCheckpointError(f"{path} is not a loadable checkpoint: {problem}", path=str(path),
-                                             hint=f"Run 'ckptool validate {path}' for details")
         model_sd, optim_sd = get_state_dict(model, optimizer)
         shapes = {k: tuple(v.shape) for k, v in model_sd.items() if hasattr(v, "shape")}
-        problem = _broadcast(_model_mismatch(path, shapes) if _rank() == 0 else None)
-        if problem is not None:  # DCP would load the keys it is asked for and ignore the rest
+        # Rank 0 reads the index once (safely) and every rank hears the verdict.
+        invalid, mismatch = _broadcast(_load_problems(path, shapes, check) if _rank() == 0
+                                       else None)
+        if invalid is not None:
+            raise CorruptCheckpointError(f"{path} is not a loadable checkpoint: {invalid}", path=str(path),
+                                         hint=f"Run 'ckptool validate {path}' for details")
+        if mismatch is not None:  # DCP would load the keys it is asked for and ignore the rest
             raise IncompatibleCheckpointError(
-                f"cannot load {path} into this model: {problem}", path=str(path),
+                f"cannot load {path} into this model: {mismatch}", path=str(path),
                 hint="Build the model the checkpoint was saved from, or start without it")
         state = {"model": model_sd, "optim": optim_sd, **self._check_extra(extra)}
         try:
@@ -518,11 +518,15 @@ def _load_model_weights(model: Any, path: str) -> None:
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          set_model_state_dict)
 
-    problem = _broadcast(validation_problem(path) if _rank() == 0 else None)
-    if problem is not None:
-        raise CorruptCheckpointError(f"{path} is not a loadable checkpoint: {problem}", path=path,
-                                     hint=f"Run 'ckptool validate {path}' for details")
     state = {"model": get_model_state_dict(model)}
+    shapes = {k: tuple(v.shape) for k, v in state["model"].items() if hasattr(v, "shape")}
+    invalid, mismatch = _broadcast(_load_problems(path, shapes, True) if _rank() == 0 else None)
+    if invalid is not None:
+        raise CorruptCheckpointError(f"{path} is not a loadable checkpoint: {invalid}", path=path,
+                                     hint=f"Run 'ckptool validate {path}' for details")
+    if mismatch is not None:  # DCP would load the keys asked for and ignore the rest
+        raise IncompatibleCheckpointError(f"cannot load {path} into this model: {mismatch}",
+                                          path=path, hint="Load weights saved from this model")
     try:
         dcp.load(state, checkpoint_id=path)
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
@@ -539,14 +543,28 @@ def _name(path: str | os.PathLike[str]) -> str:
     return os.fspath(path).rstrip("/").rsplit("/", 1)[-1]
 
 
-def _model_mismatch(path: str | os.PathLike[str], shapes: dict[str, tuple[int, ...]]) -> str | None:
-    """How the checkpoint's model tensors differ from ``shapes`` (name -> global shape), if
-    they do: extra or missing tensors, or other shapes. Read with ckptool's safe reader."""
+def _load_problems(path: str | os.PathLike[str], shapes: dict[str, tuple[int, ...]],
+                   check: bool) -> tuple[str | None, str | None]:
+    """(why the checkpoint is not valid, how its model differs from ``shapes``), each None when
+    fine; the index is read once, with ckptool's safe reader (never torch's pickle.load)."""
     from ckptool.format.metadata import read_metadata
+
+    if check:
+        problem, meta = validation_problem(path)
+        if problem is not None or meta is None:
+            return problem, None
+    else:
+        meta = read_metadata(Storage.open(path))
+    return None, _model_mismatch(path, meta, shapes)
+
+
+def _model_mismatch(path: str | os.PathLike[str], meta: Any,
+                    shapes: dict[str, tuple[int, ...]]) -> str | None:
+    """How the checkpoint's model tensors differ from ``shapes`` (name -> global shape), if
+    they do: extra or missing tensors, or other shapes."""
     from ckptool.format.state_layout import Group, read_layout
 
     storage = Storage.open(path)
-    meta = read_metadata(storage)
     lay = read_layout(meta, keep_wrappers=True, ckptool_manifest=mf.read_manifest(storage) is not None)
     saved = {lay.names[k]: meta.tensors[k].shape for k in lay.keys(Group.MODEL) if k in lay.names}
     extra = sorted(set(saved) - set(shapes))

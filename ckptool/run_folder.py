@@ -12,6 +12,7 @@ import os
 import shutil
 import uuid
 from pathlib import Path
+from typing import Any
 
 from ckptool.errors import CkptError
 from ckptool.format import checkpoint_dirs as layout
@@ -118,11 +119,13 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def validation_problem(path: str | os.PathLike[str]) -> str | None:
+def validation_problem(path: str | os.PathLike[str]) -> tuple[str | None, Any]:
+    """(the first problem ``validate`` finds, or None; the parsed index when there is one)."""
     from ckptool.ops.validate import validate
 
     try:
         report = validate(path)
     except CkptError as e:  # missing path, not a checkpoint: every rank must hear about it
-        return str(e)
-    return None if report.ok else str(report.errors[0])
+        return str(e), None
+    meta = next(iter(report.metadata.values()), None)
+    return (None if report.ok else str(report.errors[0])), meta

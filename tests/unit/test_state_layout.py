@@ -318,3 +318,20 @@ def test_checkpointer_load_refuses_a_model_that_does_not_match(tmp_path, layers,
     assert ck.load(tmp_path / "run" / "step_1", same, torch.optim.AdamW(same.parameters())) == 1
     assert all(torch.equal(a, b) for a, b in zip(same.state_dict().values(),
                                                  saved.state_dict().values()))
+
+
+def test_load_pretrained_refuses_a_larger_checkpoint(tmp_path):
+    from ckptool.checkpoint import Checkpointer
+
+    def net(n):
+        return torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(n)])
+
+    saved = net(4)
+    ck = Checkpointer(tmp_path / "run")
+    ck.save(1, saved, torch.optim.AdamW(saved.parameters()))
+    with pytest.raises(IncompatibleCheckpointError, match="4 tensors this model lacks"):
+        ck.load_pretrained(net(2), tmp_path / "run" / "step_1")
+    same = net(4)
+    ck.load_pretrained(same, tmp_path / "run" / "step_1")
+    assert all(torch.equal(a, b) for a, b in zip(same.state_dict().values(),
+                                                 saved.state_dict().values()))
