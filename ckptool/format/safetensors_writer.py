@@ -289,9 +289,6 @@ class StagedOutput:
 
     def _refuse_existing(self) -> None:
         dst = self.dst
-        if self.single and dst.is_dir():
-            raise ConfigError(f"{dst} is a folder; pass a new .safetensors name or the folder "
-                              "without the .safetensors suffix")
         if self._merge and not dst.is_dir():
             raise ConfigError(f"{dst} is a file; pass a new folder or a .safetensors name")
         if self.replace:

@@ -31,8 +31,8 @@ Torch-free; reads only the parsed index.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,7 +69,6 @@ class StateLayout:
         basis: what decided it: ``"--model-key"``, ``"planner_data"``, ``"manifest"`` or
             ``"key names"``.
         note: set when another reading was possible: which was chosen and how to pick the other.
-        dropped_wrappers: wrapper segments removed from the names (for messages).
     """
 
     groups: dict[str, Group]
@@ -77,7 +76,6 @@ class StateLayout:
     model_path: tuple[Any, ...] | None
     basis: str
     note: str | None = None
-    dropped_wrappers: tuple[str, ...] = ()
 
     def keys(self, group: Group) -> list[str]:
         return [k for k, g in self.groups.items() if g is group]
@@ -270,10 +268,7 @@ def _by_names(meta: CheckpointMetadata, keys: list[str]) -> StateLayout:
 
 
 def _named(layout: StateLayout, keep_wrappers: bool, where: str) -> StateLayout:
-    names = dict(layout.names)
-    dropped: list[str] = []
-    if not keep_wrappers:
-        names, dropped = strip_wrappers(names)
+    names = layout.names if keep_wrappers else strip_wrappers(layout.names)
     seen: dict[str, str] = {}
     for k, name in names.items():
         if name in seen:
@@ -282,23 +277,16 @@ def _named(layout: StateLayout, keep_wrappers: bool, where: str) -> StateLayout:
                 hint="Pass --keep-wrappers to keep wrapper segments, or --model-key to choose "
                      "one sub-tree")
         seen[name] = k
-    return StateLayout(layout.groups, names, layout.model_path, layout.basis, layout.note,
-                       tuple(dropped))
+    return dataclasses.replace(layout, names=names)
 
 
-def strip_wrappers(names: dict[str, str]) -> tuple[dict[str, str], list[str]]:
-    """Remove wrapper segments from exported names; return them and which segments went."""
-    dropped: set[str] = set()
-    out = {}
-    for k, name in names.items():
-        segs = name.split(".")
-        kept = [s for s in segs if s not in WRAPPER_SEGMENTS]
-        dropped |= set(segs) - set(kept)
-        out[k] = ".".join(kept)
+def strip_wrappers(names: dict[str, str]) -> dict[str, str]:
+    """Exported names without wrapper segments (DDP's ``module.`` only when every name has it)."""
+    out = {k: ".".join(s for s in name.split(".") if s not in WRAPPER_SEGMENTS)
+           for k, name in names.items()}
     if out and all(n.startswith(DDP_SEGMENT + ".") for n in out.values()):
         out = {k: n[len(DDP_SEGMENT) + 1:] for k, n in out.items()}
-        dropped.add(DDP_SEGMENT)
-    return out, sorted(dropped)
+    return out
 
 
 def describe(layout: StateLayout) -> str:
@@ -310,11 +298,3 @@ def describe(layout: StateLayout) -> str:
     else:
         where = "the top-level tensors"
     return f"model = {where} (from {layout.basis})"
-
-
-def layout_groups(layout: StateLayout, order: Iterable[str]) -> dict[str, list[str]]:
-    """Keys of ``order`` per group name, in that order."""
-    out: dict[str, list[str]] = {g.value: [] for g in Group}
-    for k in order:
-        out[layout.groups[k].value].append(k)
-    return out
