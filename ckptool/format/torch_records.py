@@ -1,10 +1,9 @@
-"""Where an item's raw bytes sit inside its ``torch.save`` record, and whether they are intact.
+"""Where an item's raw bytes sit inside its ``torch.save`` record, and what its pickle says.
 
-DCP's ``FileSystemWriter`` writes every item as one ``torch.save`` archive: an uncompressed
-zip (``archive/data.pkl``, ``archive/byteorder``, ``archive/data/0``, ...) appended to a
-``.distcp`` file. This module parses the zip directory of one record with ranged reads,
-reads ``data.pkl`` with the allow-listed unpickler to learn the tensor's storage dtype, size,
-offset, shape and strides (never assumed), and checks each entry's CRC-32.
+DCP's ``FileSystemWriter`` writes every item as one ``torch.save`` archive appended to a
+``.distcp`` file; its zip structure and CRC-32s are ``zip_records.py``'s. This module reads
+``data.pkl`` with the allow-listed unpickler to learn the tensor's storage dtype, size,
+offset, shape and strides (never assumed), or a non-tensor value's plain data.
 
 Torch-free. Used by validate (``--deep``), consolidate and reshard.
 """
@@ -16,32 +15,14 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from ckptool.errors import (ChecksumError, CorruptCheckpointError, IncompatibleCheckpointError,
-                            UnsafeInputError)
-from ckptool.format.dtypes import BY_STORAGE, DType
-from ckptool.format.metadata import StorageRef
-from ckptool.format.safe_pickle import UnsafePickleError, safe_loads
-from ckptool.storage import BLOCK, RangeReader
-
+from ckptool.errors import IncompatibleCheckpointError, UnsafeInputError
 from ckptool.format.crc import crc32
+from ckptool.format.dtypes import BY_STORAGE, DType
+from ckptool.format.safe_pickle import UnsafePickleError, safe_loads
+from ckptool.format.zip_records import ZipEntry, ZipRecord
 
-_EOCD = b"PK\x05\x06"
-_EOCD64_LOC = b"PK\x06\x07"
-_EOCD64 = b"PK\x06\x06"
-_CDIR = b"PK\x01\x02"
-_LOCAL = b"PK\x03\x04"
-_MAX_PKL = 64 << 20  # data.pkl of a tensor is ~200 bytes; of an object, small
-
-
-@dataclass(frozen=True)
-class ZipEntry:
-    name: str
-    method: int          # 0 = stored
-    crc: int
-    size: int            # uncompressed == compressed for stored entries
-    header_offset: int   # of the local header, relative to the record start
-    shared: bytes = b""  # version needed, flags, method, time, date: repeated in the local header
-    cd_pos: int = -1     # of its central-directory record, relative to the record start
+__all__ = ["RecordReader", "RecordTemplate", "SavedBytes", "TensorLocation", "ZipEntry",
+           "ZipRecord", "contiguous_strides"]
 
 
 @dataclass(frozen=True)
@@ -86,206 +67,15 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-class RecordReader:
-    """Parses one record (a ``StorageRef``) of an open ``.distcp`` file."""
-
-    def __init__(self, reader: RangeReader, ref: StorageRef, where: str, *,
-                 preload: int = 64 << 10) -> None:
-        """``preload``: records up to this size are read in one call and parsed from memory."""
-        self.reader = reader
-        self.ref = ref
-        self.where = where  # "<file> (item <fqn>)" for messages
-        self._buf: bytes | None = None
-        self._offsets: dict[str, int] = {}
-        if ref.length <= preload:
-            self._buf = reader.pread(ref.offset, ref.length)
-            if len(self._buf) != ref.length:
-                raise self._bad("record is cut short (file truncated)")
-        if ref.transforms:
-            raise IncompatibleCheckpointError(
-                f"{where} uses DCP stream transforms {list(ref.transforms)} (e.g. compression), "
-                "which ckptool does not read yet", path=where,
-                hint="Save without storage extensions to use ckptool on it",
-            )
-        try:
-            self.entries = self._directory()
-        except (struct.error, ValueError, OverflowError) as e:
-            raise self._bad(f"damaged zip directory ({e})") from None
-
-    # -- zip directory ----------------------------------------------------------------------
-    def _bad(self, what: str, cls: type[CorruptCheckpointError] = CorruptCheckpointError
-             ) -> CorruptCheckpointError:
-        return cls(f"{self.where}: {what}", path=self.where,
-                   hint="The file is damaged; use an earlier checkpoint")
-
-    def _read(self, rel_offset: int, length: int) -> bytes:
-        if rel_offset < 0 or rel_offset + length > self.ref.length:
-            raise self._bad("zip structure points outside the record")
-        if self._buf is not None:
-            return self._buf[rel_offset:rel_offset + length]
-        data = self.reader.pread(self.ref.offset + rel_offset, length)
-        if len(data) != length:
-            raise self._bad("record is cut short (file truncated)")
-        return data
-
-    def _directory(self) -> dict[str, ZipEntry]:
-        n = self.ref.length
-        if n < 22:
-            raise self._bad(f"record is {n} bytes, too short for a torch.save archive")
-        tail_len = min(n, 65557)
-        tail = self._read(n - tail_len, tail_len)
-        pos = tail.rfind(_EOCD)
-        if pos < 0 or len(tail) - pos < 22:
-            raise self._bad("no zip directory (not a torch.save record, or truncated)")
-        _, _, _, _, count, cd_size, cd_off, _ = struct.unpack_from("<4sHHHHIIH", tail, pos)
-        if 0xFFFFFFFF in (cd_size, cd_off) or count == 0xFFFF:
-            count, cd_size, cd_off = self._zip64(tail, pos)
-        if cd_size > n or cd_off + cd_size > n:
-            raise self._bad("zip directory lies outside the record")
-        self._layout = (cd_off, cd_size, n - tail_len + pos, count)
-        cd = self._read(cd_off, cd_size)
-        self._cd_fixed: list[bytes] = []
-        entries: dict[str, ZipEntry] = {}
-        p = 0
-        for _ in range(count):
-            if cd[p:p + 4] != _CDIR or p + 46 > len(cd):
-                raise self._bad("damaged zip directory")
-            (_, _, _, flags, method, _, _, crc, csize, usize, nlen, xlen, clen, _, _, _,
-             hoff) = struct.unpack_from("<4sHHHHHHIIIHHHHHII", cd, p)
-            name = cd[p + 46:p + 46 + nlen].decode("utf-8", "replace")
-            extra = cd[p + 46 + nlen:p + 46 + nlen + xlen]
-            usize, csize, hoff = _zip64_extra(extra, usize, csize, hoff)
-            if method != 0 or csize != usize:
-                raise self._bad(f"entry {name} is compressed (method {method}); torch.save "
-                                "records are stored uncompressed")
-            if name in entries:
-                raise self._bad(f"entry {name} appears twice")
-            entries[name] = ZipEntry(name, method, crc, usize, hoff, cd[p + 6:p + 16], cd_off + p)
-            # made-by, comment length, disk, attributes: the same for every entry torch writes
-            self._cd_fixed.append(cd[p + 4:p + 6] + cd[p + 32:p + 42])
-            if extra and not _padding_ok(extra):
-                raise self._bad(f"extra field of {name} in the zip directory is damaged")
-            p += 46 + nlen + xlen + clen
-        if p != len(cd):
-            raise self._bad("zip directory size disagrees with its entries")
-        return entries
-
-    def _zip64(self, tail: bytes, pos: int) -> tuple[int, int, int]:
-        loc = tail.rfind(_EOCD64_LOC, 0, pos)
-        if loc < 0:
-            raise self._bad("zip64 record without its locator")
-        (eocd64_off,) = struct.unpack_from("<Q", tail, loc + 8)
-        rec = self._read(eocd64_off, 56)
-        if rec[:4] != _EOCD64:
-            raise self._bad("damaged zip64 directory")
-        count, cd_size, cd_off = struct.unpack_from("<QQQ", rec, 32)
-        return count, cd_size, cd_off
-
-    def data_offset(self, entry: ZipEntry) -> int:
-        """Absolute file offset of an entry's first data byte (from its local header)."""
-        cached = self._offsets.get(entry.name)
-        if cached is not None:
-            return cached
-        head = self._read(entry.header_offset, 30)
-        if head[:4] != _LOCAL:
-            raise self._bad(f"local header of {entry.name} is damaged")
-        nlen, xlen = struct.unpack_from("<HH", head, 26)
-        start = entry.header_offset + 30 + nlen + xlen
-        if start + entry.size > self.ref.length:
-            raise self._bad(f"entry {entry.name} runs past the end of the record")
-        self._offsets[entry.name] = self.ref.offset + start
-        return self.ref.offset + start
-
-    def _check_local(self, entry: ZipEntry) -> int:
-        """Compare every local-header and data-descriptor byte of ``entry`` with what the
-        zip directory implies; return the record offset just past the entry."""
-        start = self.data_offset(entry) - self.ref.offset
-        head = self._read(entry.header_offset, start - entry.header_offset)
-        nlen = len(entry.name.encode())
-        descriptor = bool(entry.shared[2] & 0x08)
-        sizes = bytes(12) if descriptor else struct.pack("<III", entry.crc, entry.size, entry.size)
-        xlen = len(head) - 30 - nlen
-        expected = (_LOCAL + entry.shared + sizes + struct.pack("<HH", nlen, xlen)
-                    + entry.name.encode())
-        if head[:30 + nlen] != expected or not _padding_ok(head[30 + nlen:]):
-            raise self._bad(f"local header of {entry.name} disagrees with the zip directory "
-                            "(damaged bytes)")
-        end = start + entry.size
-        if not descriptor:
-            return end
-        big = entry.size >= 0xFFFFFFFF
-        want = b"PK\x07\x08" + struct.pack("<IQQ" if big else "<III", entry.crc, entry.size, entry.size)
-        if self._read(end, len(want)) != want:
-            raise self._bad(f"data descriptor of {entry.name} is damaged")
-        return end + len(want)
-
-    def find(self, suffix: str) -> ZipEntry | None:
-        for name, e in self.entries.items():
-            if name.endswith(suffix) and name.count("/") == suffix.count("/") + 1:
-                return e
-        return None
+class RecordReader(ZipRecord):
+    """Parses one record (a ``StorageRef``) of an open ``.distcp`` file: its zip structure
+    (``ZipRecord``) and the tensor or value its ``data.pkl`` describes."""
 
     def prefix(self) -> str:
         pkl = self.find("data.pkl")
         if pkl is None:
             raise self._bad("no data.pkl (not a torch.save record)")
         return pkl.name[: -len("data.pkl")]
-
-    def read_entry(self, entry: ZipEntry, limit: int = _MAX_PKL) -> bytes:
-        if entry.size > limit:
-            raise self._bad(f"entry {entry.name} is {entry.size} bytes, larger than expected")
-        start = self.data_offset(entry) - self.ref.offset
-        return self._read(start, entry.size)
-
-    # -- checks -----------------------------------------------------------------------------
-    def verify_structure(self) -> None:
-        """Every byte outside the CRC-covered data is accounted for.
-
-        Entries follow each other with no gap (local header, name, padding, data, data
-        descriptor), the directory follows the last one, and the end records close the record.
-        """
-        cd_off, cd_size, eocd_pos, count = self._layout
-        pos = 0
-        for e in sorted(self.entries.values(), key=lambda x: x.header_offset):
-            if e.header_offset != pos:
-                raise self._bad(f"unaccounted bytes before {e.name} (damaged zip structure)")
-            pos = self._check_local(e)
-        if pos != cd_off or len(set(self._cd_fixed)) > 1:
-            raise self._bad("zip directory does not follow the entries (damaged zip structure)")
-        end = cd_off + cd_size
-        if end != eocd_pos:  # zip64 end record + locator sit between directory and end record
-            rec = self._read(end, 56)
-            loc = self._read(eocd_pos - 20, 20)
-            # miniz (torch's zip writer) always records made-by 0x031e, needed 45 (zip64)
-            ok = (rec[:4] == _EOCD64 and struct.unpack_from("<QHH", rec, 4) == (44, 0x031E, 45)
-                  and struct.unpack_from("<IIQQQQ", rec, 16) == (0, 0, count, count, cd_size, cd_off)
-                  and loc[:4] == _EOCD64_LOC and struct.unpack_from("<IQI", loc, 4) == (0, end, 1)
-                  and eocd_pos == end + 56 + 20)
-            if not ok:
-                raise self._bad("zip64 end record is damaged")
-        eocd = self._read(eocd_pos, self.ref.length - eocd_pos)
-        d0, d1, c0, c1, size, off, clen = struct.unpack_from("<HHHHIIH", eocd, 4)
-        if (d0, d1, clen) != (0, 0, 0) or len(eocd) != 22 or c0 != c1 or c0 not in (count, 0xFFFF) \
-                or size not in (cd_size, 0xFFFFFFFF) or off not in (cd_off, 0xFFFFFFFF):
-            raise self._bad("zip end record is damaged")
-
-    def verify_crc(self) -> None:
-        """Check the zip structure and the CRC-32 of every entry, streaming in fixed blocks."""
-        self.verify_structure()
-        for e in self.entries.values():
-            pos, left, crc = self.data_offset(e), e.size, 0
-            while left:
-                n = min(left, BLOCK)
-                b = self._read(pos - self.ref.offset, n) if self._buf is not None \
-                    else self.reader.pread(pos, n)
-                if not b:
-                    raise self._bad(f"entry {e.name} is cut short (file truncated)")
-                crc = crc32(b, crc)
-                pos += len(b)
-                left -= len(b)
-            if crc != e.crc:
-                raise self._bad(f"CRC-32 mismatch in {e.name} (stored {e.crc:08x}, "
-                                f"computed {crc:08x}): the bytes are damaged", ChecksumError)
 
     def tensor(self) -> TensorLocation:
         """Locate the tensor this record holds."""
@@ -375,18 +165,6 @@ class RecordTemplate:
             if stored != struct.unpack_from("<I", buf, cd)[0] or crc32(view[start:end]) != stored:
                 return False
         return True
-
-
-def _padding_ok(extra: bytes) -> bool:
-    """Extra fields parse exactly; torch's alignment padding ("FB") is all 'Z'."""
-    p = 0
-    while p + 4 <= len(extra):
-        tag, size = struct.unpack_from("<HH", extra, p)
-        body = extra[p + 4:p + 4 + size]
-        if len(body) != size or tag not in (0x4246, 0x0001) or (tag == 0x4246 and body.strip(b"Z")):
-            return False
-        p += 4 + size
-    return p == len(extra)
 
 
 def _span(shape: tuple[int, ...], strides: tuple[int, ...]) -> int:
@@ -482,21 +260,3 @@ def _bytes_of(value: Any) -> bytes:
 #: and ``io.BytesIO`` as ``SavedBytes``.
 _OBJECT_GLOBALS: dict[tuple[str, str], Any] = {**_TENSOR_GLOBALS, ("_io", "BytesIO"): SavedBytes}
 
-
-def _zip64_extra(extra: bytes, usize: int, csize: int, hoff: int) -> tuple[int, int, int]:
-    """Replace 0xFFFFFFFF sizes/offsets with their values from the ZIP64 extra field."""
-    p = 0
-    while p + 4 <= len(extra):
-        tag, size = struct.unpack_from("<HH", extra, p)
-        if tag == 0x0001:
-            q = p + 4
-            vals = []
-            for flag in (usize, csize, hoff):
-                if flag == 0xFFFFFFFF and q + 8 <= p + 4 + size:
-                    vals.append(struct.unpack_from("<Q", extra, q)[0])
-                    q += 8
-                else:
-                    vals.append(flag)
-            return vals[0], vals[1], vals[2]
-        p += 4 + size
-    return usize, csize, hoff
