@@ -3,7 +3,8 @@
 Owns turning SRC (a Hugging Face model folder, a Hub repo id ``org/name[@rev]``, or a
 ``config.json`` alone for a random init) into what the loop trains: the sharded model, its
 batches and a ``Checkpointer`` that records the HF config and asset files. The loop itself,
-resume and saving are ``loop.py``'s and ``checkpoint.py``'s, unchanged.
+resume and saving are ``loop.py``'s and ``checkpoint.py``'s, unchanged. Resolving SRC to its files
+is ``hf_resolve.py``'s; reading the weights into the shards ``hf_weights.py``'s.
 
 How the model is built (no rank ever holds the full model):
 
@@ -26,136 +27,25 @@ Model code in the folder (``auto_map``) runs only with ``--trust-remote-code``.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from ckptool.errors import ConfigError, IncompatibleCheckpointError
-from ckptool.format.hf_source import INDEX_NAME, MAX_ASSET_BYTES, HFSource, SourceTensor, open_source
+from ckptool.errors import ConfigError
 from ckptool.train import parallel
 from ckptool.train.config import TrainConfig
 from ckptool.train.data import TokenBatches, demo_corpus
+from ckptool.train.hf_resolve import TOKENIZER_FILES, Source, from_rank0, resolve, this_rank
+from ckptool.train.hf_weights import load_weights, model_names, random_init, tied_head
 
 logger = logging.getLogger(__name__)
 
 #: Sequence length when --seq-len is not given: this, or the model's context if shorter.
 DEFAULT_SEQ_LEN = 512
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
-                   "spiece.model", "sentencepiece.bpe.model")
-_AC_SEGMENT = "_checkpoint_wrapped_module."
-_BLOCK = 8 << 20
-
-
-@dataclass(frozen=True)
-class Source:
-    """A resolved ``--hf-model``: where its files are and what travels with the checkpoints.
-
-    Attributes:
-        label: what was given (a repo id as ``org/name@sha``).
-        config_file: the ``config.json`` to read.
-        folder: the local folder holding it (and the tokenizer files), or None for a lone file.
-        weights: the checked safetensors index, None for a random init.
-        assets: asset file name -> bytes (config, generation config, tokenizer files).
-    """
-
-    label: str
-    config_file: str
-    folder: str | None
-    weights: HFSource | None
-    assets: dict[str, bytes]
-
-    @property
-    def has_tokenizer(self) -> bool:
-        return self.folder is not None and any(n in self.assets for n in TOKENIZER_FILES)
-
-    def config_dict(self) -> dict[str, Any]:
-        try:
-            data = json.loads(self.assets["config.json"])
-        except (KeyError, ValueError) as e:
-            raise ConfigError(f"--hf-model {self.label}: config.json is missing or not JSON ({e})") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"--hf-model {self.label}: config.json is not a JSON object")
-        return data
-
-
-# ---------------------------------------------------------------------------------------------
-# The source
-
-
-def resolve(src: str) -> Source:
-    """Check ``src`` and read its headers and assets (called on every rank; a Hub repo is
-    downloaded by rank 0 only, into the shared Hub cache, and the others read that copy).
-
-    Raises:
-        ConfigError: nothing at ``src``.
-        CheckpointNotFoundError, IncompatibleCheckpointError, CorruptCheckpointError: as
-            ``ckptool import`` (pickle weights refused, hostile headers).
-        HubError: the download failed.
-    """
-    from ckptool.ops.import_hf import is_repo_id
-
-    if is_repo_id(src):
-        return _from_hub(src)
-    p = Path(src).expanduser()
-    if p.is_file():
-        if p.suffix.lower() != ".json":
-            raise ConfigError(f"--hf-model {src}: give a model folder, a Hub repo id or a config.json file")
-        return Source(src, str(p), None, None, {"config.json": _small_file(p)})
-    if not p.is_dir():
-        raise ConfigError(f"--hf-model {src}: no such folder or file, and not a Hub repo id org/name")
-    names = {e.name for e in p.iterdir()}
-    has_weights = INDEX_NAME in names or any(n.endswith((".safetensors", ".bin", ".pt", ".pth")) for n in names)
-    weights = open_source(p) if has_weights else None  # pickles are refused there, never read
-    if "config.json" not in names:
-        raise ConfigError(f"--hf-model {src} holds no config.json",
-                          hint="Give a folder written by save_pretrained (config.json and safetensors)")
-    assets = _read_assets(weights.assets) if weights is not None else _folder_assets(p)
-    return Source(src, str(p / "config.json"), str(p), weights, assets)
-
-
-def _from_hub(src: str) -> Source:
-    from ckptool.errors import CkptError
-    from ckptool.ops.hub_download import download
-
-    repo_id, _, revision = src.partition("@")
-    got, problem = None, None
-    if _rank() == 0:
-        try:
-            root, files, sha = download(repo_id, revision or None)
-            got = (str(root), files, sha)
-        except CkptError as e:
-            problem = (type(e), str(e))
-    got, problem = _broadcast((got, problem))
-    if problem is not None:
-        raise problem[0](problem[1])
-    root, files, sha = got
-    weights = open_source(root, files=files)
-    if "config.json" not in weights.assets:
-        raise ConfigError(f"--hf-model {src}: the repo holds no config.json")
-    return Source(f"{repo_id}@{sha}", weights.assets["config.json"], root, weights, _read_assets(weights.assets))
-
-
-def _small_file(p: Path) -> bytes:
-    if p.stat().st_size > MAX_ASSET_BYTES:
-        raise ConfigError(f"--hf-model {p} is {p.stat().st_size} bytes, too large for a config file")
-    return p.read_bytes()
-
-
-def _read_assets(paths: dict[str, str]) -> dict[str, bytes]:
-    return {name: _small_file(Path(path)) for name, path in sorted(paths.items())}
-
-
-def _folder_assets(p: Path) -> dict[str, bytes]:
-    from ckptool.ops.hf_assets import _from_folder  # the --hf-assets reader: allow-list, no links out
-
-    return _from_folder(p)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -327,128 +217,6 @@ def param_count(src: str, *, trust_remote_code: bool = False) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# Weights
-
-
-def model_names(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's own names (wrapper segments dropped) of every parameter (a tied one once,
-    under its first name) and persistent buffer."""
-    out: dict[str, torch.Tensor] = {}
-    for name, p in model.named_parameters():
-        out[name.replace(_AC_SEGMENT, "")] = p
-    for mod_name, module in model.named_modules():
-        for b_name, b in module._buffers.items():
-            if b is not None and b_name not in module._non_persistent_buffers_set:
-                out[f"{mod_name}.{b_name}".lstrip(".").replace(_AC_SEGMENT, "")] = b
-    return out
-
-
-def _local_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """This rank's part of ``t`` and the global index of its first row (dim-0 shards only)."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(t, DTensor):
-        return t.data, 0
-    if any(not (p.is_replicate() or (p.is_shard() and p.dim == 0)) for p in t.placements):
-        raise ConfigError(f"placements {t.placements} are not dim-0 shards; cannot read rows directly")
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    return t.to_local(), (offset[0] if offset else 0)
-
-
-@torch.no_grad()
-def load_weights(model: nn.Module, weights: HFSource, *, tied_head: str | None = None) -> int:
-    """Copy this rank's rows of every tensor from the safetensors files (all ranks, no
-    collective). Returns the bytes read by this rank.
-
-    Raises:
-        IncompatibleCheckpointError: a tensor the model has is missing, or its shape or dtype
-            kind differs.
-    """
-    names = model_names(model)
-    missing = [n for n in names if n not in weights.tensors and n != tied_head]
-    if missing:
-        raise IncompatibleCheckpointError(
-            f"{weights.root} lacks {len(missing)} tensor(s) of {type(model).__name__}: {', '.join(missing[:5])}",
-            path=weights.root, hint="Give the folder save_pretrained wrote for this architecture")
-    done = 0
-    for name, target in names.items():
-        st = weights.tensors.get(name)
-        if st is None:
-            continue  # the tied head: it is the embedding's parameter
-        if tuple(st.shape) != tuple(target.shape) or st.dtype.is_floating != target.dtype.is_floating_point:
-            raise IncompatibleCheckpointError(
-                f"{weights.root}: {name} is {st.dtype} {list(st.shape)}, the model's is "
-                f"{str(target.dtype).removeprefix('torch.')} {list(target.shape)}", path=weights.root)
-        local, row0 = _local_rows(target)
-        done += _read_rows(st, row0, local)
-    return done
-
-
-def _read_rows(st: SourceTensor, row0: int, local: torch.Tensor) -> int:
-    """Rows ``row0 ..`` of ``st`` into ``local`` (a contiguous row block), in 8 MiB reads."""
-    if local.numel() == 0:
-        return 0
-    if not local.is_contiguous():
-        raise ConfigError(f"{st.name}: the local shard is not contiguous")
-    row_bytes = st.nbytes // st.shape[0] if st.shape else st.nbytes
-    start = st.offset + row0 * row_bytes
-    src_dtype = getattr(torch, st.dtype.name)
-    flat = local.view(-1)
-    raw = torch.empty(_BLOCK, dtype=torch.uint8)
-    view = memoryview(raw.numpy())
-    total = flat.numel() * st.dtype.itemsize
-    fd = os.open(st.path, os.O_RDONLY)
-    try:
-        done = 0
-        while done < total:
-            want = min(_BLOCK, total - done)
-            got = 0
-            while got < want:
-                n = os.preadv(fd, [view[got:want]], start + done + got)
-                if n <= 0:
-                    raise IncompatibleCheckpointError(f"{st.path} ended while reading {st.name} (changed meanwhile?)",
-                                                      path=st.path)
-                got += n
-            items = want // st.dtype.itemsize
-            first = done // st.dtype.itemsize
-            flat[first:first + items].copy_(raw[:want].view(src_dtype))
-            done += want
-    finally:
-        os.close(fd)
-    return total
-
-
-def tied_head(config: Any, model: nn.Module) -> str | None:
-    """The name of the output embedding when it is tied to the input one (files store it once)."""
-    out, inp = model.get_output_embeddings(), model.get_input_embeddings()
-    if out is None or inp is None or out.weight is not inp.weight:
-        return None
-    for name, module in model.named_modules():
-        if module is out:
-            return f"{name}.weight".replace(_AC_SEGMENT, "")
-    return None
-
-
-@torch.no_grad()
-def random_init(model: nn.Module, seed: int) -> None:
-    """The model's own ``_init_weights`` on every module, shard by shard.
-
-    On CPU meshes DTensor random ops draw from each rank's generator: seeded here by the shard
-    coordinate so that shards differ (identical rows would never learn apart) while
-    replicas (HSDP) stay equal."""
-    mesh = next((p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh")), None)
-    shard = mesh.get_local_rank(mesh.ndim - 1) if mesh is not None else 0
-    torch.manual_seed(seed * 1_000_003 + shard)
-    init = getattr(model, "_init_weights", None)
-    for module in model.modules():
-        if init is not None:
-            init(module)
-    torch.manual_seed(seed)
-
-
-# ---------------------------------------------------------------------------------------------
 # Data
 
 
@@ -486,18 +254,6 @@ def batches(cfg: TrainConfig, source: Source, vocab: int, rank: int, ws: int) ->
 # The run
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _broadcast(obj: Any) -> Any:
-    if not dist.is_initialized():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def fresh_start(cfg: TrainConfig) -> bool:
     """True when the loop will not resume (so the pretrained weights are needed): rank 0
     looks, as ``loop._resume`` will, and tells the others."""
@@ -507,7 +263,7 @@ def fresh_start(cfg: TrainConfig) -> bool:
         return True
     from ckptool.checkpoint import latest_valid
 
-    return bool(_broadcast(latest_valid(cfg.out) is None if _rank() == 0 else None))
+    return bool(from_rank0(latest_valid(cfg.out) is None if this_rank() == 0 else None))
 
 
 def setup(cfg: TrainConfig, rank: int, ws: int, device: torch.device, precision: str) -> Any:
@@ -544,4 +300,5 @@ def setup(cfg: TrainConfig, rank: int, ws: int, device: torch.device, precision:
     return loop._Run(cfg, model, optimizer, scheduler, data, loop.TrainState(), ckpt, device, precision)
 
 
-__all__ = ["Source", "build", "count_params", "load_weights", "resolve", "setup"]
+__all__ = ["TOKENIZER_FILES", "Source", "build", "count_params", "load_weights", "model_names", "random_init",
+           "resolve", "setup", "tied_head"]
