@@ -6,11 +6,12 @@ starts 8-byte aligned (as the reference writer does). Because each tensor's posi
 before any data exists, the data can be written in any order with positioned writes: consolidate
 writes in source-file order so that every source file is read sequentially.
 
-Owns: header encoding and reading, HF-style shard planning and index, the open output file
+Owns: header encoding, HF-style shard planning and index, and the open output file
 (positioned writes, in-kernel ``copy_file_range`` with a buffered fallback, optional xxh3 of
-every write for a re-read check), committing a file or folder (``StagedOutput``), and element
-conversion to the output dtype (``cast_bytes``, numpy). Knows nothing about DCP; which bytes go where is ``ops/consolidate.py``'s business.
-Torch-free.
+every write for a re-read check). Committing a file or folder is ``staged_output.py``'s,
+element conversion to the output dtype ``dtype_cast.py``'s, reading a header
+``safetensors_source.py``'s. Knows nothing about DCP; which bytes go where is
+``ops/consolidate.py``'s business. Torch-free.
 """
 
 from __future__ import annotations
@@ -19,15 +20,18 @@ import errno
 import json
 import math
 import os
-import shutil
 import struct
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
-from ckptool.errors import CkptError, ConfigError, CorruptCheckpointError
+from ckptool.errors import CkptError, CorruptCheckpointError
+from ckptool.format.dtype_cast import CASTABLE, cast_bytes
 from ckptool.format.dtypes import DType
-from ckptool.storage import BLOCK, atomic_path
+from ckptool.format.staged_output import StagedOutput
+from ckptool.storage import BLOCK
+
+__all__ = ["CASTABLE", "INDEX_NAME", "MAX_HEADER", "SINGLE_NAME", "FileLayout", "OutputFile",
+           "StagedOutput", "TensorSpec", "cast_bytes", "index_json", "plan_file", "shard_filenames",
+           "split_shards"]
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -248,90 +252,6 @@ class OutputFile:
             os.close(fd)
 
 
-class StagedOutput:
-    """Where to write an export: a temporary path, committed only when the block succeeds.
-
-    A ``.safetensors`` file (``single=True``) is written under a temporary sibling name and
-    renamed onto ``dst``. A folder is written as a temporary sibling folder and renamed into
-    place. An existing output is refused unless ``replace``: then a file is replaced, and in a
-    non-empty folder only the export's own files are (``model*.safetensors`` shards and the
-    index, as ``save_pretrained`` does; ``removed`` lists the old ones that went): the new
-    files are moved in one by one, the old index removed first and the new index moved in
-    last; other files (a tokenizer, a README) are left. On any exception (including
-    ``KeyboardInterrupt``) the temporary path is removed and ``dst`` is left as it was.
-
-    Example:
-        >>> with StagedOutput(Path("out/hf"), single=False) as tmp:
-        ...     (tmp / "model.safetensors").write_bytes(data)
-    """
-
-    def __init__(self, dst: Path, *, single: bool, replace: bool = False) -> None:
-        self.dst, self.single, self.replace = dst, single, replace
-        fresh = single or not dst.exists() or (dst.is_dir() and not any(dst.iterdir()))
-        self._staging = dst if fresh else dst / ".ckptool-staging"
-        self._atomic = atomic_path(self._staging)
-        self._merge = not fresh
-        self._replaced_file = single and replace and dst.is_file()
-        self.removed: list[str] = []
-
-    def __enter__(self) -> Path:
-        if not self.dst.parent.is_dir():
-            raise ConfigError(f"{self.dst.parent} does not exist; create it first")
-        self._refuse_existing()
-        tmp = self._atomic.__enter__()
-        if not self.single:
-            try:
-                tmp.mkdir()
-            except OSError as e:  # e.g. a read-only destination: let atomic_path word it
-                self._atomic.__exit__(type(e), e, e.__traceback__)
-                raise
-        return tmp
-
-    def _refuse_existing(self) -> None:
-        dst = self.dst
-        if self._merge and not dst.is_dir():
-            raise ConfigError(f"{dst} is a file; pass a new folder or a .safetensors name")
-        if self.replace:
-            return
-        if self.single and (dst.exists() or dst.is_symlink()):
-            raise ConfigError(f"{dst} already exists", path=str(dst),
-                              hint="Pass --force to replace it, or choose another OUTPUT")
-        if self._merge:
-            held = sorted(p.name for p in dst.iterdir())
-            shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
-            raise ConfigError(
-                f"{dst} is not empty ({shown})", path=str(dst),
-                hint="Pass --force to replace the weight files in it (model*.safetensors and "
-                     "the index; other files are kept), or choose a new folder")
-
-    def __exit__(self, et: object, ev: BaseException | None, tb: object) -> bool:
-        self._atomic.__exit__(et, ev, tb)  # on failure: removes tmp; the error then propagates
-        if self._merge and ev is None:
-            self.removed = _merge_into(self._staging, self.dst)
-        elif self._replaced_file and ev is None:
-            self.removed = [self.dst.name]  # the rename replaced it
-        return False
-
-
-def _merge_into(staging: Path, dst: Path) -> list[str]:
-    """Move the new export files in; return the names of old export files that went."""
-    new = {p.name for p in staging.iterdir()}
-    removed = []
-    if (dst / INDEX_NAME).exists():  # never leave an index naming stale shards
-        (dst / INDEX_NAME).unlink()
-        removed.append(INDEX_NAME)
-    for old in sorted(dst.glob("model*.safetensors")):
-        if old.name == SINGLE_NAME or "-of-" in old.name:
-            removed.append(old.name)
-            if old.name not in new:
-                old.unlink()
-    removed += sorted(n for n in new if n not in removed and (dst / n).exists())
-    for name in sorted(new, key=lambda n: n == INDEX_NAME):
-        os.replace(staging / name, dst / name)
-    shutil.rmtree(staging, ignore_errors=True)
-    return removed
-
-
 _NO_CFR = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF, errno.EPERM}
 
 
@@ -358,61 +278,3 @@ def _xxh3(data: bytes | memoryview) -> int:
     import xxhash  # lazy: only --verify needs it
 
     return xxhash.xxh3_64_intdigest(data)
-
-
-# ---------------------------------------------------------------------------------------------
-# Casts (numpy, bit-exact with torch's .to() for every non-NaN value)
-
-#: Dtypes ``cast_bytes`` converts between.
-CASTABLE = ("float64", "float32", "float16", "bfloat16")
-
-
-def cast_bytes(raw: bytes | memoryview, src: DType, dst: DType) -> memoryview:
-    """Convert little-endian ``src`` elements to ``dst`` (both in ``CASTABLE``), torch-free.
-
-    Rounding is round-to-nearest-even, as torch does; float64 goes through float32 first,
-    as torch's double -> half/bfloat16 kernels do. NaN becomes a quiet NaN: 0x7FC0 for
-    bfloat16 (c10's reference conversion; torch's AVX2/AVX-512 kernels give 0xFFFF) and the
-    F16C pattern (sign, quiet bit, top payload bits) for float16, as torch's kernels give.
-
-    Args:
-        raw: whole elements of ``src``.
-        src, dst: source and target dtypes.
-
-    Returns:
-        The converted elements as bytes (``raw`` itself when ``src == dst``).
-
-    Example:
-        >>> bytes(cast_bytes(struct.pack("<f", 1.0), DTYPES["float32"], DTYPES["bfloat16"]))
-        b'\\x80?'
-    """
-    if src == dst:
-        return memoryview(raw)
-    import numpy as np
-
-    x = _to_float32(np, raw, src)
-    if dst.name == "float32":
-        out = x
-    elif dst.name == "bfloat16":
-        u = x.view(np.uint32)
-        out = ((u + (np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1)))) >> 16).astype(np.uint16)
-        out[np.isnan(x)] = 0x7FC0
-    else:
-        with np.errstate(over="ignore"):
-            out = x.astype(np.float16).view(np.uint16)
-        nan = np.isnan(x)
-        if nan.any():
-            u = x.view(np.uint32)[nan]
-            out[nan] = ((u >> 16) & 0x8000) | 0x7E00 | ((u >> 13) & 0x3FF)
-    return memoryview(np.ascontiguousarray(out)).cast("B")
-
-
-def _to_float32(np: Any, raw: bytes | memoryview, src: DType) -> Any:
-    if src.name == "bfloat16":
-        return (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).view(np.float32)
-    if src.name == "float32":
-        return np.frombuffer(raw, np.float32)
-    if src.name == "float16":
-        return np.frombuffer(raw, np.float16).astype(np.float32)
-    with np.errstate(over="ignore"):
-        return np.frombuffer(raw, np.float64).astype(np.float32)
