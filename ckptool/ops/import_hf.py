@@ -27,27 +27,28 @@ import shutil
 import time
 import uuid
 from collections import defaultdict
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Self
 
 from ckptool._version import __version__
 from ckptool.errors import ConfigError, CorruptCheckpointError, IncompatibleCheckpointError
 from ckptool.format import manifest as mf
-from ckptool.format.dcp_writer import V2_DTYPES, DistcpFile, TensorRecord, write_metadata
 from ckptool.format.crc import crc32_combine
+from ckptool.format.dcp_output import (WrittenFile, check_world_size, file_sizes, local_workers,
+                                       write_rank_files, write_tensor)
+from ckptool.format.dcp_writer import V2_DTYPES, DistcpFile, write_metadata
 from ckptool.format.fsdp_layout import fsdp_chunks
 from ckptool.format.dtypes import DTYPES, DType
 from ckptool.format.hf_source import (HEAD_NAME, KNOWN_EMBEDDINGS, HFSource, SourceTensor,
                                      input_embeddings, open_source, ties_embeddings)
-from ckptool.format.crc import crc32
-from ckptool.format.metadata import METADATA, CheckpointMetadata, Chunk, StorageRef, TensorEntry
+from ckptool.format.metadata import METADATA, CheckpointMetadata, Chunk, TensorEntry
 from ckptool.format.reader import CheckpointReader
 from ckptool.format.safetensors_writer import CASTABLE, cast_bytes
 from ckptool.format.copy_engine import (Progress, Ticker, fsync_file, new_output_folder,
-                                        run_jobs, unverified)
+                                        unverified)
 from ckptool.format.row_source import RowSource, tensor_crc
-from ckptool.storage import BLOCK, Storage, atomic_path
+from ckptool.storage import Storage, atomic_path
 
 DTYPE_CHOICES = ("float32", "keep")
 ASSETS_DIR = "hf_assets"
@@ -101,8 +102,6 @@ def import_hf(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, world
               progress: Progress | None = None) -> ImportResult:
     """Write the safetensors model ``src`` as a DCP checkpoint for ``world_size`` FSDP2 ranks.
 
-    Peak memory is one 8 MiB buffer (and its cast) per worker thread, whatever the model size.
-
     Args:
         src: a Hugging Face model folder (``model.safetensors`` or shards and
             ``model.safetensors.index.json``), one ``.safetensors`` file, or a Hub repo id
@@ -131,27 +130,14 @@ def import_hf(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, world
         >>> r.files["__0_0.distcp"]
     """
     t0 = time.perf_counter()
-    if type(world_size) is not int or world_size < 1:
-        raise ConfigError(f"world_size must be a positive integer, got {world_size!r}")
-    if dtype not in DTYPE_CHOICES:
-        raise ConfigError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
+    _check_options(world_size, dtype)
     out = _destination(dst, force)
-    source, label = _open(src)
-    _check_inside(source, out)
+    source, label = _open(src, out)
     plan = _plan(source, dtype)
-    ranks = _plan_ranks(plan, world_size)
     with atomic_path(out) as tmp:
         tmp.mkdir()
-        ticker = Ticker(progress, sum(o.src.nbytes for o in plan))
-        written, crcs = _Writer(ticker).run(tmp, ranks)
-        assets = _copy_assets(source, tmp)
-        meta = _metadata(plan, ranks, written)
-        meta_size = write_metadata(tmp, meta, checkpoint_id=str(out))
-        if verify:
-            _verify(tmp, plan, crcs)
-        files = {name: (size, digest) for name, (size, digest, _) in written.items()}
-        files[METADATA] = mf.file_checksum(Storage.open(tmp), METADATA)
-        files.update(assets)
+        files = _write_output(tmp, source, plan, _plan_ranks(plan, world_size), out=out,
+                              verify=verify, progress=progress)
         _write_manifest(tmp, source, label, world_size, dtype, files)
     return ImportResult(
         source=label, destination=str(out), world_size=world_size, tensors=len(plan),
@@ -159,10 +145,32 @@ def import_hf(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, world
         bytes_read=sum(t.nbytes for t in source.tensors.values()),
         bytes=sum(o.src.nbytes // o.src.dtype.itemsize * o.dtype.itemsize for o in plan),
         dtypes={o.src.dtype.name: o.dtype.name for o in plan if o.src.dtype != o.dtype},
-        assets=sorted(n.split("/", 1)[1] for n in assets),
-        files={**{n: s for n, (s, _) in sorted(files.items()) if n != METADATA and "/" not in n},
-               METADATA: meta_size},
-        seconds=time.perf_counter() - t0, verified=verify)
+        assets=sorted(n.split("/", 1)[1] for n in files if n.startswith(f"{ASSETS_DIR}/")),
+        files=file_sizes(files), seconds=time.perf_counter() - t0, verified=verify)
+
+
+def _check_options(world_size: int, dtype: str) -> None:
+    check_world_size(world_size)
+    if dtype not in DTYPE_CHOICES:
+        raise ConfigError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
+
+
+def _write_output(tmp: Path, source: HFSource, plan: list[_Out],
+                  ranks: list[list[tuple[_Out, Chunk]]], *, out: Path, verify: bool,
+                  progress: Progress | None) -> dict[str, tuple[int, str]]:
+    """The ``.distcp`` files, assets and ``.metadata`` in ``tmp`` (verified if asked): name ->
+    (size, xxh3-64)."""
+    ticker = Ticker(progress, sum(o.src.nbytes for o in plan))
+    with _Copier(ticker, {o.src.path for o in plan}) as copier:
+        written = write_rank_files(tmp, ranks, copier.write_item, ticker=ticker,
+                                   workers=local_workers())
+    files = {w.name: (w.size, w.digest) for w in written}
+    files.update(_copy_assets(source, tmp))
+    write_metadata(tmp, _metadata(plan, written), checkpoint_id=str(out))
+    if verify:
+        _verify(tmp, plan, copier.crcs)
+    files[METADATA] = mf.file_checksum(Storage.open(tmp), METADATA)
+    return files
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,15 +183,19 @@ def is_repo_id(src: str | os.PathLike[str]) -> bool:
     return bool(_REPO_ID.fullmatch(text)) and not os.path.exists(text)
 
 
-def _open(src: str | os.PathLike[str]) -> tuple[HFSource, str]:
+def _open(src: str | os.PathLike[str], out: Path) -> tuple[HFSource, str]:
+    """The source and its label (``repo@commit`` for a Hub download); ``out`` not inside it."""
     if is_repo_id(src):
         from ckptool.ops.hub_download import download
 
         repo_id, _, revision = os.fspath(src).partition("@")
         root, files, sha = download(repo_id, revision or None)
-        return open_source(root, files=files), f"{repo_id}@{sha}"
-    source = open_source(src)
-    return source, source.root
+        source, label = open_source(root, files=files), f"{repo_id}@{sha}"
+    else:
+        source = open_source(src)
+        label = source.root
+    _check_inside(source, out)
+    return source, label
 
 
 def _destination(dst: str | os.PathLike[str], force: bool) -> Path:
@@ -242,15 +254,11 @@ def _plan_ranks(plan: list[_Out], world_size: int) -> list[list[tuple[_Out, Chun
     return ranks
 
 
-def _file_name(rank: int) -> str:
-    return f"__{rank}_0.distcp"
-
-
-def _metadata(plan: list[_Out], ranks: list[list[tuple[_Out, Chunk]]],
-              written: dict[str, tuple[int, str, list[StorageRef]]]) -> CheckpointMetadata:
+def _metadata(plan: list[_Out], written: list[WrittenFile[tuple[_Out, Chunk]]]
+              ) -> CheckpointMetadata:
     chunks: dict[str, list[Chunk]] = defaultdict(list)
-    for rank, items in enumerate(ranks):
-        for (o, chunk), ref in zip(items, written[_file_name(rank)][2]):
+    for w in written:
+        for (o, chunk), ref in w.items:
             chunks[o.fqn].append(Chunk(chunk.offsets, chunk.sizes, ref))
     tensors = {o.fqn: TensorEntry(o.fqn, o.dtype, o.src.shape, tuple(chunks[o.fqn])) for o in plan}
     return CheckpointMetadata(tensors=tensors, objects={},
@@ -262,60 +270,38 @@ def _metadata(plan: list[_Out], ranks: list[list[tuple[_Out, Chunk]]],
 # Copying
 
 
-class _Writer:
-    """Writes one ``.distcp`` file per rank on worker threads; CRC-32 of every chunk written."""
+class _Copier:
+    """Writes import's rank chunks from the open source files, casting when asked; keeps the
+    CRC-32 of every chunk written for the verification."""
 
-    def __init__(self, ticker: Ticker) -> None:
+    def __init__(self, ticker: Ticker, paths: set[str]) -> None:
         self.ticker = ticker
+        self.paths = sorted(paths)
         self.fds: dict[str, int] = {}
-
-    def run(self, folder: Path, ranks: list[list[tuple[_Out, Chunk]]]
-            ) -> tuple[dict[str, tuple[int, str, list[StorageRef]]], dict[tuple[str, int], int]]:
-        paths = sorted({o.src.path for items in ranks for o, _ in items})
-        self.fds = {p: os.open(p, os.O_RDONLY) for p in paths}
         self.crcs: dict[tuple[str, int], int] = {}  # (fqn, first row) -> CRC-32 written
-        jobs = [(folder / _file_name(r), items) for r, items in enumerate(ranks)]
-        try:
-            with ThreadPoolExecutor(1) as self.flusher:  # fsync finished files meanwhile
-                self.flushed: list[Future] = []
-                results = run_jobs(self.ticker, self._write_file, jobs,
-                                        min(os.cpu_count() or 1, 4))
-                for f in self.flushed:
-                    f.result()
-        finally:
-            for fd in self.fds.values():
-                os.close(fd)
-        return {path.name: res for (path, _), res in zip(jobs, results)}, self.crcs
 
-    def _write_file(self, job: tuple[Path, list[tuple[_Out, Chunk]]]) -> tuple[int, str, list]:
-        path, items = job
-        refs = []
-        buf = bytearray(BLOCK)
-        with DistcpFile(path) as f:
-            for o, chunk in items:
-                start = f.size
-                self._chunk(f, o, chunk, buf)
-                refs.append(StorageRef(f.name, start, f.size - start))
-            f.close(sync=False)
-        self.flushed.append(self.flusher.submit(fsync_file, path))
-        return f.size, f.digest, refs
+    def __enter__(self) -> Self:
+        for p in self.paths:
+            self.fds[p] = os.open(p, os.O_RDONLY)
+        return self
 
-    def _chunk(self, f: DistcpFile, o: _Out, chunk: Chunk, buf: bytearray) -> None:
-        rec = TensorRecord(o.dtype, chunk.sizes)
-        f.write(rec.head)
+    def __exit__(self, *exc: object) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+
+    def write_item(self, f: DistcpFile, item: tuple[_Out, Chunk], buf: bytearray) -> None:
+        o, chunk = item
         t = o.src
         row = t.nbytes // t.shape[0] if t.shape else t.nbytes
         lo = chunk.offsets[0] if chunk.offsets else 0
         length = (chunk.sizes[0] if chunk.sizes else 1) * row
-        crc = 0
         # A cast allocates a few times its output: cast 2 MiB at a time, copy 8 MiB.
         view = memoryview(buf)[:_CAST_BLOCK] if t.dtype != o.dtype else memoryview(buf)
-        for data in _read(self.fds[t.path], t.offset + lo * row, length, view, t.path):
-            data = cast_bytes(data, t.dtype, o.dtype)
-            crc = crc32(data, crc)
-            f.write(data)
-            self.ticker.add(len(data) * t.dtype.itemsize // o.dtype.itemsize)
-        f.write(rec.tail(crc))
+        blocks = (cast_bytes(data, t.dtype, o.dtype)
+                  for data in _read(self.fds[t.path], t.offset + lo * row, length, view, t.path))
+        ratio = (t.dtype.itemsize, o.dtype.itemsize)
+        [(crc, _)] = write_tensor(f, o.dtype, chunk.sizes, [blocks],
+                                  lambda n: self.ticker.add(n * ratio[0] // ratio[1]))
         self.crcs[(o.fqn, lo)] = crc
 
 

@@ -27,26 +27,26 @@ import os
 import time
 import uuid
 from collections import defaultdict
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 from ckptool._version import __version__
 from ckptool.errors import ConfigError, IncompatibleCheckpointError
 from ckptool.format import manifest as mf
-from ckptool.format.dcp_writer import DistcpFile, TensorRecord, write_metadata
-from ckptool.format.crc import crc32_combine
+from ckptool.format.dcp_output import (WrittenFile, check_world_size, file_sizes, local_workers,
+                                       write_rank_files, write_tensor)
+from ckptool.format.dcp_writer import DistcpFile, write_metadata
 from ckptool.format.fsdp_layout import fsdp_chunks
-from ckptool.format.crc import crc32
 from ckptool.format.checkpoint_dirs import CheckpointDir, resolve_checkpoint, step_of
-from ckptool.format.metadata import (METADATA, BytesEntry, CheckpointMetadata, Chunk, StorageRef,
+from ckptool.format.metadata import (METADATA, BytesEntry, CheckpointMetadata, Chunk,
                                      TensorEntry)
 from ckptool.format.reader import CheckpointReader
-from ckptool.format.copy_engine import (Progress, Ticker, fsync_file, new_output_folder,
-                                        run_jobs, unverified)
+from ckptool.format.copy_engine import Progress, Ticker, new_output_folder, unverified
 from ckptool.format.row_source import (ByteRange, RowSource, read_blocks, tensor_crc,
                                        tensor_digest)
-from ckptool.storage import BLOCK, Storage, atomic_path
+from ckptool.storage import Storage, atomic_path
 
 
 
@@ -82,9 +82,6 @@ def reshard(src: str | os.PathLike[str], dst: str | os.PathLike[str] | None = No
             verify: bool = True, progress: Progress | None = None) -> ReshardResult:
     """Rewrite checkpoint ``src`` so that rank r of ``world_size`` ranks reads one file.
 
-    Peak memory is one 8 MiB buffer per worker (plus one output chunk for chunk layouts that
-    are not FSDP2 row blocks); it does not grow with the model.
-
     Args:
         src: a committed DCP checkpoint folder (``step_N``, ``step-N`` or plain; also DCP's
             safetensors storage, whose ranges are copied as they are), local or URL.
@@ -114,30 +111,37 @@ def reshard(src: str | os.PathLike[str], dst: str | os.PathLike[str] | None = No
         >>> r.destination, r.files
     """
     t0 = time.perf_counter()
-    if type(world_size) is not int or world_size < 1:
-        raise ConfigError(f"world_size must be a positive integer, got {world_size!r}")
+    check_world_size(world_size)
     ckpt, meta = _open_source(src)
     n_src = _source_world_size(ckpt, meta, expect_from)
     out = _destination(ckpt, dst, world_size, force)
     plan = _plan_ranks(meta, world_size, source_world_size=n_src)
     with CheckpointReader(ckpt.storage, meta) as ck, atomic_path(out) as tmp:
         tmp.mkdir()
-        ticker = Ticker(progress, sum(t.nbytes for t in meta.tensors.values()))
-        source = RowSource(ck, track=True)
-        written = _Copier(source, ticker).run(tmp, plan)
-        meta_size = write_metadata(tmp, _output_metadata(meta, plan, written),
-                                   checkpoint_id=str(out))
-        if verify:
-            _verify(source, tmp)
-        files = {name: (size, digest) for name, (size, digest, _) in written.items()}
-        files[METADATA] = mf.file_checksum(Storage.open(tmp), METADATA)
+        files = _write_output(RowSource(ck, track=True), tmp, plan, out=out, verify=verify,
+                              progress=progress)
         _write_manifest(ckpt, tmp, world_size, n_src, files)
     return ReshardResult(
         source=ckpt.url, destination=str(out), source_world_size=n_src, world_size=world_size,
-        tensors=len(meta.tensors), objects=len(meta.objects), bytes=ticker.total,
-        files={**{n: s for n, (s, _) in sorted(files.items()) if n != METADATA},
-               METADATA: meta_size},
-        seconds=time.perf_counter() - t0, verified=verify)
+        tensors=len(meta.tensors), objects=len(meta.objects),
+        bytes=sum(t.nbytes for t in meta.tensors.values()),
+        files=file_sizes(files), seconds=time.perf_counter() - t0, verified=verify)
+
+
+def _write_output(source: RowSource, tmp: Path, plan: list[list[_Item]], *, out: Path,
+                  verify: bool, progress: Progress | None) -> dict[str, tuple[int, str]]:
+    """The ``.distcp`` files and ``.metadata`` in ``tmp`` (verified if asked): name -> (size,
+    xxh3-64)."""
+    ticker = Ticker(progress, sum(t.nbytes for t in source.ck.meta.tensors.values()))
+    written = write_rank_files(tmp, plan, _Copier(source, ticker).write_item, ticker=ticker,
+                               workers=local_workers(source.ck.storage.is_local))
+    source.check_crcs()
+    write_metadata(tmp, _output_metadata(source.ck.meta, written), checkpoint_id=str(out))
+    if verify:
+        _verify(source, tmp)
+    files = {w.name: (w.size, w.digest) for w in written}
+    files[METADATA] = mf.file_checksum(Storage.open(tmp), METADATA)
+    return files
 
 
 # ---------------------------------------------------------------------------------------------
@@ -238,26 +242,21 @@ def _replicated(t: TensorEntry, source_world_size: int | None) -> bool:
             and t.chunks[0].sizes == t.shape)
 
 
-def _output_metadata(meta: CheckpointMetadata, plan: list[list[_Item]],
-                     written: dict[str, tuple[int, str, dict[str, list]]]) -> CheckpointMetadata:
+def _output_metadata(meta: CheckpointMetadata,
+                     written: list[WrittenFile[_Item]]) -> CheckpointMetadata:
     chunks: dict[str, list[Chunk]] = defaultdict(list)
     objects: dict[str, BytesEntry] = {}
-    for rank in range(len(plan)):
-        for fqn, refs in written[_file_name(rank)][2].items():
-            for item, ref in refs:
-                if item.chunk is None:
-                    objects[fqn] = BytesEntry(fqn, ref)
-                else:
-                    chunks[fqn].append(Chunk(item.chunk.offsets, item.chunk.sizes, ref))
+    for w in written:
+        for item, ref in w.items:
+            if item.chunk is None:
+                objects[item.fqn] = BytesEntry(item.fqn, ref)
+            else:
+                chunks[item.fqn].append(Chunk(item.chunk.offsets, item.chunk.sizes, ref))
     tensors = {fqn: TensorEntry(fqn, t.dtype, t.shape, tuple(chunks[fqn]))
                for fqn, t in meta.tensors.items()}
     return CheckpointMetadata(tensors=tensors, objects={k: objects[k] for k in meta.objects},
                               planner_data=meta.planner_data, version=meta.version,
                               save_id=str(uuid.uuid4()))
-
-
-def _file_name(rank: int) -> str:
-    return f"__{rank}_0.distcp"
 
 
 def _write_manifest(ckpt: CheckpointDir, tmp: Path, world_size: int, n_src: int | None,
@@ -277,62 +276,36 @@ def _write_manifest(ckpt: CheckpointDir, tmp: Path, world_size: int, n_src: int 
 
 
 class _Copier:
-    """Writes the output files from a tracked ``RowSource``."""
+    """Writes reshard's items from a tracked ``RowSource``, keeping the CRC-32 of every source
+    piece read so that ``check_crcs`` proves each source record."""
 
     def __init__(self, src: RowSource, ticker: Ticker) -> None:
         self.src = src
         self.ticker = ticker
 
-    def run(self, folder: Path, plan: list[list[_Item]]) -> dict[str, tuple[int, str, dict]]:
-        workers = min(os.cpu_count() or 1, 4) if self.src.ck.storage.is_local else 1
-        jobs = [(folder / _file_name(r), items) for r, items in enumerate(plan)]
-        # Each finished file is fsynced by one flusher thread while the next ones copy.
-        with ThreadPoolExecutor(1) as self.flusher:
-            self.flushed: list[Future] = []
-            results = run_jobs(self.ticker, self._write_file, jobs, workers)
-            self.src.check_crcs()
-            for flushed in self.flushed:
-                flushed.result()
-        return {path.name: res for (path, _), res in zip(jobs, results)}
-
-    def _write_file(self, job: tuple[Path, list[_Item]]) -> tuple[int, str, dict]:
-        path, items = job
-        refs: dict[str, list] = defaultdict(list)
-        buf = bytearray(BLOCK)
-        with DistcpFile(path) as f:
-            for item in items:
-                start = f.size
-                if item.chunk is None:
-                    ref = self.src.ck.meta.objects[item.fqn].storage
-                    self.src.ck.record(ref, item.fqn).verify_crc()  # type: ignore[arg-type]
-                    f.write(self.src.ck.object_bytes(item.fqn))
-                else:
-                    self._tensor(f, self.src.ck.meta.tensors[item.fqn], item.chunk, buf)
-                refs[item.fqn].append((item, StorageRef(f.name, start, f.size - start)))
-            f.close(sync=False)
-        self.flushed.append(self.flusher.submit(fsync_file, path))
-        return f.size, f.digest, refs
-
-    def _tensor(self, f: DistcpFile, t: TensorEntry, chunk: Chunk, buf: bytearray) -> None:
-        rec = TensorRecord(t.dtype, chunk.sizes)
-        f.write(rec.head)
+    def write_item(self, f: DistcpFile, item: _Item, buf: bytearray) -> None:
+        if item.chunk is None:
+            ref = self.src.ck.meta.objects[item.fqn].storage
+            self.src.ck.record(ref, item.fqn).verify_crc()  # type: ignore[arg-type]
+            f.write(self.src.ck.object_bytes(item.fqn))
+            return
+        t, chunk = self.src.ck.meta.tensors[item.fqn], item.chunk
         lo = chunk.offsets[0] if chunk.offsets else 0
-        crc = 0
-        for piece in self.src.pieces_of(t, lo, lo + (chunk.sizes[0] if chunk.sizes else 1)):
-            if isinstance(piece, ByteRange):
-                part = 0
-                for data in read_blocks(piece, buf):
-                    part = crc32(data, part)
-                    f.write(data)
-                    self.ticker.add(len(data))
-                if piece.key is not None:
-                    self.src.pieces.append((piece.key, piece.rel, piece.length, part))
-                crc = crc32_combine(crc, part, piece.length)
-            else:
-                f.write(piece)
-                crc = crc32(piece, crc)
-                self.ticker.add(len(piece))
-        f.write(rec.tail(crc))
+        ranges: list[ByteRange | None] = []
+
+        def pieces() -> Iterator[Iterable[Any]]:
+            for piece in self.src.pieces_of(t, lo, lo + (chunk.sizes[0] if chunk.sizes else 1)):
+                if isinstance(piece, ByteRange):
+                    ranges.append(piece)
+                    yield read_blocks(piece, buf)
+                else:
+                    ranges.append(None)
+                    yield (piece,)
+
+        parts = write_tensor(f, t.dtype, chunk.sizes, pieces(), self.ticker.add)
+        for r, (crc, _) in zip(ranges, parts):
+            if r is not None and r.key is not None:
+                self.src.pieces.append((r.key, r.rel, r.length, crc))
 
 
 # ---------------------------------------------------------------------------------------------
