@@ -6,7 +6,10 @@
 piece read is kept so ``check_crcs`` can prove each source record's stored CRC-32 (pieces
 combined with ``crc32_combine``); damaged input is refused, never laundered.
 ``tensor_crc``/``tensor_digest`` give a whole tensor's row-major CRC-32 or xxh3 for
-verification. Torch-free (numpy for non-row-block layouts).
+verification. ``read_block`` is the one read of a byte range (``read_blocks`` loops it;
+``blocks_of`` cuts a range for parallel reads); ``SharedReader`` opens a checkpoint so worker
+threads may read it at once, remote files by exact ranged requests (``RangedFile``).
+Torch-free (numpy for non-row-block layouts).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from ckptool.errors import CorruptCheckpointError
 from ckptool.format.crc import crc32_combine
 from ckptool.format.metadata import Chunk, TensorEntry
 from ckptool.format.reader import CheckpointReader, ChunkBytes
-from ckptool.storage import BLOCK, RangeReader
+from ckptool.storage import BLOCK, RangeReader, Storage
 
 _FADVISE = hasattr(os, "posix_fadvise")
 
@@ -131,22 +134,77 @@ def assemble_rows(ck: CheckpointReader, t: TensorEntry, lo: int, hi: int) -> byt
 
 
 def read_blocks(r: ByteRange, buf: bytearray) -> Iterator[memoryview]:
-    """The range in pieces of at most ``len(buf)`` bytes (views of ``buf`` for local files)."""
-    view, done, fd = memoryview(buf), 0, r.reader.fileno
-    while done < r.length:
-        want = min(len(buf), r.length - done)
-        if fd is not None:
-            if _FADVISE and done + want < r.length:  # read the next block ahead, meanwhile
-                os.posix_fadvise(fd, r.start + done + want, min(len(buf), r.length - done - want),
-                                 os.POSIX_FADV_WILLNEED)
-            data = view[:os.preadv(fd, [view[:want]], r.start + done)]
-        else:
-            data = memoryview(r.reader.pread(r.start + done, want))
-        if not data:
-            raise CorruptCheckpointError(f"{r.reader.storage.url_of(r.reader.rel)} is cut short",
-                                         path=r.reader.storage.url)
-        yield data
-        done += len(data)
+    """The range in pieces of at most ``len(buf)`` bytes (views of ``buf`` for local files),
+    the next piece of a local file read ahead (``POSIX_FADV_WILLNEED``) meanwhile."""
+    parts, fd = blocks_of(r, len(buf)), r.reader.fileno
+    for i, part in enumerate(parts):
+        if _FADVISE and fd is not None and i + 1 < len(parts):
+            os.posix_fadvise(fd, parts[i + 1].start, parts[i + 1].length, os.POSIX_FADV_WILLNEED)
+        yield read_block(part, buf)
+
+
+def blocks_of(r: ByteRange, size: int) -> list[ByteRange]:
+    """The range cut into consecutive ranges of at most ``size`` bytes (each readable alone,
+    e.g. by parallel ranged requests)."""
+    return [ByteRange(r.key, r.reader, r.start + i, r.rel + i, min(size, r.length - i))
+            for i in range(0, r.length, size)]
+
+
+def read_block(r: ByteRange, buf: bytearray | None = None) -> memoryview:
+    """All of the range in one read: into ``buf`` (at least ``r.length`` bytes; a new buffer
+    when None) from a local file, else the bytes one ranged request returns.
+
+    Raises:
+        CorruptCheckpointError: the file ends before the range does.
+    """
+    fd = r.reader.fileno
+    if fd is None:
+        data = memoryview(r.reader.pread(r.start, r.length))
+        got = len(data)
+    else:
+        data, got = memoryview(buf if buf is not None else bytearray(r.length))[:r.length], 0
+        while got < r.length:
+            n = os.preadv(fd, [data[got:]], r.start + got)
+            if not n:
+                break
+            got += n
+    if got != r.length:
+        where = r.reader.storage.url_of(r.reader.rel)
+        raise CorruptCheckpointError(f"{where} is cut short at byte {r.start + got}",
+                                     path=r.reader.storage.url,
+                                     hint="Run 'ckptool validate --deep' for details")
+    return data
+
+
+class RangedFile:
+    """One file of a remote folder read by exact ranged requests (``Storage.read_range`` per
+    call): the ``RangeReader`` interface without a shared handle or read-ahead, so threads may
+    read it at once and a small read fetches only its bytes."""
+
+    fileno = None
+
+    def __init__(self, storage: Storage, rel: str) -> None:
+        self.storage = storage
+        self.rel = rel
+
+    def pread(self, offset: int, length: int) -> bytes:
+        return self.storage.read_range(self.rel, offset, length)
+
+    def close(self) -> None:
+        pass
+
+
+class SharedReader(CheckpointReader):
+    """A ``CheckpointReader`` that worker threads may share: local files by ``os.pread`` on
+    one descriptor each, remote files as ``RangedFile`` (one ranged request per read)."""
+
+    def reader(self, rel: str) -> RangeReader:
+        if self.storage.is_local:
+            return super().reader(rel)
+        r = self._readers.get(rel)
+        if r is None:
+            r = self._readers[rel] = RangedFile(self.storage, rel)  # type: ignore[assignment]
+        return r
 
 
 def tensor_crc(src: RowSource, t: TensorEntry) -> tuple[int, int] | None:

@@ -2,7 +2,8 @@
 
 The plan comes from ``.metadata`` alone: output names, dtypes, shapes and byte offsets, split
 into HF-style shards. Headers are written first, then data is placed with positioned writes,
-so copies run in source order: each source file is read front to back.
+so copies run in source order: each source file is read front to back (remote: by parallel
+ranged requests). The copy jobs are ``ops/chunk_copier.py``.
 
 Row-block chunks (FSDP2 ``Shard(0)``: offsets ``(k, 0, ..)``, full trailing dims) are one
 contiguous byte range of the output. They are copied in-kernel (``copy_file_range``) while a
@@ -18,32 +19,32 @@ full tensor; never the model. Output goes to a temporary name, fsynced, renamed 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import fnmatch
 import json
 import math
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from ckptool._version import __version__
-from ckptool.errors import (CheckpointNotFoundError, ChecksumError, ConfigError,
-                            CorruptCheckpointError, IncompleteCheckpointError, NoCheckpointError)
+from ckptool.errors import (CheckpointNotFoundError, ConfigError, IncompleteCheckpointError,
+                            NoCheckpointError)
 from ckptool.format.dtypes import CAST_TARGETS, DTYPES, DType
 from ckptool.format.checkpoint_dirs import CheckpointDir, resolve_checkpoint, step_of
 from ckptool.format.manifest import Manifest, read_manifest
-from ckptool.format.metadata import CheckpointMetadata, Chunk, TensorEntry
+from ckptool.format.metadata import CheckpointMetadata, TensorEntry
 from ckptool.format.state_layout import StateLayout, read_layout
+from ckptool.format.copy_engine import Progress
+from ckptool.format.reader import CheckpointReader
+from ckptool.format.row_source import SharedReader
+from ckptool.format.safetensors_writer import (CASTABLE, INDEX_NAME, FileLayout, StagedOutput,
+                                               TensorSpec, index_json, plan_file, shard_filenames,
+                                               split_shards)
 from ckptool.ops import hf_assets as hf_assets_mod
-from ckptool.format.copy_engine import Progress, Ticker, run_jobs
-from ckptool.format.crc import crc32
-from ckptool.format.reader import ChunkBytes, CheckpointReader, rowmajor
-from ckptool.format.safetensors_writer import (CASTABLE, INDEX_NAME, FileLayout, OutputFile,
-                                               StagedOutput, TensorSpec, cast_bytes, index_json,
-                                               plan_file, shard_filenames, split_shards)
-from ckptool.storage import BLOCK, Storage, is_url
+from ckptool.ops.chunk_copier import Copier, Piece
+from ckptool.storage import Storage, is_url
 
 #: huggingface_hub's default ``max_shard_size``.
 DEFAULT_MAX_SHARD = 5 * 10**9
@@ -85,59 +86,37 @@ class ConsolidateResult:
     tied: str | None = None
 
 
-@dataclass(frozen=True)
-class _Piece:
-    """Bytes of one row-block chunk -> one contiguous range of an output file."""
-
-    tensor: TensorEntry
-    chunk: Chunk
-    out: int          # index of the output file
-    offset: int       # absolute offset in that file
-    out_dtype: DType
-
-
 def consolidate(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
                 dtype: str | None = None, max_shard_size: int | None = None,
-                include: Iterable[str] = (), exclude: Iterable[str] = (),
-                keep_prefix: bool = False, model_key: str | None = None,
-                keep_wrappers: bool = False, hf_assets: str | os.PathLike[str] | None = None,
-                force: bool = False, verify: bool = False,
-                check_crc: bool = True, workers: int | None = None,
+                include: Iterable[str] = (), exclude: Iterable[str] = (), keep_prefix: bool = False,
+                model_key: str | None = None, keep_wrappers: bool = False,
+                hf_assets: str | os.PathLike[str] | None = None, force: bool = False,
+                verify: bool = False, check_crc: bool = True, workers: int | None = None,
                 progress: Progress | None = None) -> ConsolidateResult:
-    """Write a checkpoint's model weights as safetensors, streaming chunk bytes.
-
-    Peak memory is a fixed 8 MiB buffer per worker for row-block (FSDP2 ``Shard(0)``) chunks,
-    plus one full tensor for any other chunk layout; it does not grow with the model.
+    """Write a checkpoint's model weights as safetensors, streaming chunk bytes in bounded
+    memory (an 8 MiB block per worker, plus one full tensor for non-row-block layouts).
 
     Args:
-        src: a committed checkpoint: DCP folder, ``step_N``/``step-N``, or Accelerate
-            ``save_state`` output (its ``pytorch_model_fsdp_0`` part is read).
+        src: a committed checkpoint: DCP folder (local or fsspec URL), ``step_N``/``step-N``,
+            or Accelerate ``save_state`` output (its ``pytorch_model_fsdp_0`` part is read).
         dst: ``*.safetensors`` for one file, else a folder for HF-style shards
             (``model-0000i-of-0000N.safetensors`` + ``model.safetensors.index.json``).
         dtype: cast floating tensors to ``float32``, ``bfloat16`` or ``float16``.
-        max_shard_size: data bytes per shard in folder mode (a bigger tensor gets its own;
-            default 5 GB). An error with a ``.safetensors`` output, which is one file.
-        include, exclude: fnmatch patterns on output names; a tensor is kept when it matches
-            some include (or none are given) and no exclude.
+        max_shard_size: data bytes per shard in folder mode (default 5 GB; a bigger tensor
+            gets its own). An error with a ``.safetensors`` output, which is one file.
+        include, exclude: fnmatch patterns on output names: kept if some include (or none)
+            and no exclude match.
         keep_prefix: name tensors by their full DCP key (``model.`` level included).
-        model_key: the model's sub-tree by hand, dotted (``app.model``); default: found from
-            the checkpoint's records (``format/state_layout.py``).
+        model_key: the model's sub-tree, dotted (``app.model``); default: found from records.
         keep_wrappers: keep ``_orig_mod.``, ``_checkpoint_wrapped_module.``, ... in names.
-        hf_assets: a Hugging Face model folder or Hub repo id (assets only are downloaded)
-            whose ``config.json``, generation config and tokenizer files go beside the weights (default: those the checkpoint's manifest
-            records, e.g. from ``ckptool import``). Folder OUTPUT only.
-        force: replace an existing ``.safetensors`` file, or the weight files
-            (``model*.safetensors`` and the index) of a non-empty folder; other files there are
-            kept. Without it an existing output is an error and nothing is touched.
+        hf_assets: a HF model folder or Hub repo id whose config and tokenizer files go beside
+            the weights (default: those the manifest records). Folder OUTPUT only.
+        force: replace an existing output (of a folder, only its weight files); else refuse.
         verify: re-read the output and compare xxh3 checksums with the bytes copied.
-        check_crc: check every source record's CRC-32 (False saves one read of the source
-            through memory, but lets damaged bytes through).
-        workers: threads for copy and check jobs (default 2; 1 for remote sources).
+        check_crc: check every source record's CRC-32 (False saves a read of the source).
+        workers: threads for copy and check jobs (default 2; 16 ranged requests if remote).
         progress: called as ``progress(bytes_done, bytes_total)`` from the calling thread; an
             exception it raises (e.g. ``KeyboardInterrupt``) aborts and removes the output.
-
-    Returns:
-        A ``ConsolidateResult``.
 
     Raises:
         CheckpointNotFoundError, IncompleteCheckpointError, CorruptCheckpointError: the source
@@ -147,23 +126,28 @@ def consolidate(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
 
     Example:
         >>> r = consolidate("runs/demo/step_40", "model.safetensors", dtype="bfloat16")
-        >>> r.tensors, r.bytes
     """
     t0 = time.perf_counter()
-    cast = _cast_target(dtype)
     dst, single = _output(dst, max_shard_size, hf_assets)
-    ckpt, meta = _open_source(src)
-    _check_destination(dst, ckpt)
-    plan = _plan(ckpt, meta, dst, single, cast=cast, max_shard_size=max_shard_size,
+    plan = _plan(src, dst, single, cast=_cast_target(dtype), max_shard_size=max_shard_size,
                  include=include, exclude=exclude, keep_prefix=keep_prefix, model_key=model_key,
                  keep_wrappers=keep_wrappers, hf_assets=hf_assets)
-    nworkers = workers or (2 if plan.storage.is_local else 1)
-    inline = cast is not None or verify or not plan.storage.is_local
     staged = StagedOutput(dst, single=single, replace=force)
-    with CheckpointReader(plan.storage, meta) as ck, staged as out_dir:
-        paths = [out_dir / lay.filename for lay in plan.layouts] if not single else [out_dir]
-        copier = _Copier(ck, check_crc=check_crc, track=verify, inline=inline)
-        copier.run(paths, plan.layouts, plan.pieces, plan.whole, nworkers, progress)
+    files = _write(plan, staged, verify=verify, check_crc=check_crc, workers=workers,
+                   progress=progress)
+    return _result(plan, files, staged, verify=verify, seconds=time.perf_counter() - t0)
+
+
+def _write(plan: _Plan, staged: StagedOutput, *, verify: bool, check_crc: bool,
+           workers: int | None, progress: Progress | None) -> list[Path]:
+    """Copy the planned bytes into the staged output, with the index and assets; every file
+    written (final paths), index last."""
+    inline = plan.cast is not None or verify
+    dst, single = staged.dst, staged.single
+    with SharedReader(plan.storage, plan.meta) as ck, staged as out_dir:
+        paths = [out_dir] if single else [out_dir / lay.filename for lay in plan.layouts]
+        copier = Copier(ck, check_crc=check_crc, track=verify, inline=inline)
+        copier.run(paths, plan.layouts, plan.pieces, plan.whole, workers, progress)
         if len(plan.layouts) > 1:
             (out_dir / INDEX_NAME).write_bytes(index_json(plan.layouts))
         for name, data in plan.assets.items():
@@ -172,14 +156,18 @@ def consolidate(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
             out.verify()
     files = [dst] if single else [dst / lay.filename for lay in plan.layouts]
     files += [dst / INDEX_NAME] if len(plan.layouts) > 1 else []
-    files += [dst / name for name in sorted(plan.assets)]
+    return files + [dst / name for name in sorted(plan.assets)]
+
+
+def _result(plan: _Plan, files: list[Path], staged: StagedOutput, *, verify: bool,
+            seconds: float) -> ConsolidateResult:
     return ConsolidateResult(
-        source=plan.storage.url, destination=str(dst), files=tuple(map(str, files)),
+        source=plan.storage.url, destination=str(staged.dst), files=tuple(map(str, files)),
         tensors=len(plan.selected), bytes=sum(lay.data_bytes for lay in plan.layouts),
-        seconds=time.perf_counter() - t0, step=_int_or_none(plan.header.get("source_step")),
-        world_size=meta.world_size, dtype=cast.name if cast else None, verified=verify,
-        note=plan.note, removed=tuple(staged.removed), assets=tuple(sorted(plan.assets)),
-        tied=plan.tied)
+        seconds=seconds, step=_int_or_none(plan.header.get("source_step")),
+        world_size=plan.meta.world_size, dtype=plan.cast.name if plan.cast else None,
+        verified=verify, note=plan.note, removed=tuple(staged.removed),
+        assets=tuple(sorted(plan.assets)), tied=plan.tied)
 
 
 @dataclass(frozen=True)
@@ -187,10 +175,12 @@ class _Plan:
     """Everything decided from the index before a byte is copied."""
 
     storage: Storage
+    meta: CheckpointMetadata
+    cast: DType | None
     selected: list[tuple[TensorEntry, str]]
     layouts: list[FileLayout]
-    pieces: list[_Piece]
-    whole: list[_Piece]
+    pieces: list[Piece]
+    whole: list[Piece]
     assets: dict[str, bytes]     # written beside the weights (folder output only)
     header: dict[str, str]
     tied: str | None
@@ -213,10 +203,13 @@ def _output(dst: str | os.PathLike[str], max_shard_size: int | None,
     return path, single
 
 
-def _plan(ckpt: CheckpointDir, meta: CheckpointMetadata, dst: Path, single: bool, *,
-          cast: DType | None, max_shard_size: int | None, include: Iterable[str],
-          exclude: Iterable[str], keep_prefix: bool, model_key: str | None, keep_wrappers: bool,
+def _plan(src: str | os.PathLike[str], dst: Path, single: bool, *, cast: DType | None,
+          max_shard_size: int | None, include: Iterable[str], exclude: Iterable[str],
+          keep_prefix: bool, model_key: str | None, keep_wrappers: bool,
           hf_assets: str | os.PathLike[str] | None) -> _Plan:
+    """Everything decided before a byte is copied, from the source's index and manifest."""
+    ckpt, meta = _open_source(src)
+    _check_destination(dst, ckpt)
     storage = ckpt.part(ckpt.model_part)
     man = read_manifest(storage)
     layout = read_layout(meta, model_key=model_key, keep_wrappers=keep_wrappers,
@@ -238,7 +231,8 @@ def _plan(ckpt: CheckpointDir, meta: CheckpointMetadata, dst: Path, single: bool
     header = _provenance(ckpt, meta, man, cast)
     layouts = [plan_file(n, g, header) for n, g in zip(names, groups)]
     pieces, whole = _plan_copies(selected, layouts, cast)
-    return _Plan(storage, selected, layouts, pieces, whole, assets, header, tied, note)
+    return _Plan(storage, meta, cast, selected, layouts, pieces, whole, assets, header, tied,
+                 note)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -339,7 +333,7 @@ def _int_or_none(s: str | None) -> int | None:
 
 
 def _plan_copies(selected: list[tuple[TensorEntry, str]], layouts: list[FileLayout],
-                 cast: DType | None) -> tuple[list[_Piece], list[_Piece]]:
+                 cast: DType | None) -> tuple[list[Piece], list[Piece]]:
     """Row-block pieces (one per non-empty chunk) and whole tensors assembled in memory."""
     where = {t.name: (i, lay.offsets[t.name]) for i, lay in enumerate(layouts) for t in lay.tensors}
     pieces, whole = [], []
@@ -347,156 +341,11 @@ def _plan_copies(selected: list[tuple[TensorEntry, str]], layouts: list[FileLayo
         out, base = where[name]
         odt = _out_dtype(t.dtype, cast)
         if t.row_blocks() is None:
-            whole.append(_Piece(t, t.chunks[0], out, base, odt))
+            whole.append(Piece(t, t.chunks[0], out, base, odt))
             continue
         row = math.prod(t.shape[1:]) * odt.itemsize
-        pieces += [_Piece(t, c, out, base + (c.offsets[0] if c.offsets else 0) * row, odt)
+        pieces += [Piece(t, c, out, base + (c.offsets[0] if c.offsets else 0) * row, odt)
                    for c in t.chunks if c.numel]
     # Read every source file front to back; output order does not matter (positioned writes).
     pieces.sort(key=lambda p: (p.chunk.storage.relative_path, p.chunk.storage.offset))  # type: ignore[union-attr]
     return pieces, whole
-
-
-# ---------------------------------------------------------------------------------------------
-# Copying
-
-
-class _Copier:
-    """Moves chunk bytes into open output files.
-
-    Per source file, read front to back: a copy job (in-kernel ``copy_file_range``) and, when
-    CRC-32s are checked, a check job that reads the same file beside it, so the two overlap on
-    two cores. When the bytes must pass through Python anyway (a cast, ``verify``, a remote
-    source), one job per file reads each block once: CRC, cast, write.
-    """
-
-    def __init__(self, ck: CheckpointReader, *, check_crc: bool, track: bool, inline: bool) -> None:
-        self.ck, self.check_crc, self.track, self.inline = ck, check_crc, track, inline
-        self.ticker = Ticker(None, 0)
-        self.outs: list[OutputFile] = []
-
-    def run(self, paths: list[Path], layouts: list[FileLayout], pieces: list[_Piece],
-            whole: list[_Piece], nworkers: int, progress: Progress | None) -> None:
-        files: dict[str, list[_Piece]] = {}
-        for p in pieces:
-            files.setdefault(p.chunk.storage.relative_path, []).append(p)  # type: ignore[union-attr]
-        for rel in {c.storage.relative_path for p in pieces + whole for c in p.tensor.chunks
-                    if c.storage}:
-            self.ck.reader(rel)  # opened here, so worker threads only read
-        self.ticker = Ticker(progress, sum(lay.data_bytes for lay in layouts))
-        jobs: list[Callable[[], None]] = []
-        for ps in files.values():
-            jobs.append(functools.partial(self._copy_job, ps))
-            if self.check_crc and not self.inline:
-                jobs.append(functools.partial(self._check_job, ps))
-        jobs += [functools.partial(self._whole_job, whole)] if whole else []
-        try:
-            for path, lay in zip(paths, layouts):
-                self.outs.append(OutputFile(path, lay, track=self.track))
-            run_jobs(self.ticker, lambda job: job(), jobs, nworkers)
-        finally:
-            for o in self.outs:
-                o.close(sync=not self.ticker.abort.is_set())
-
-    def _advance(self, n: int) -> None:
-        self.ticker.add(n)  # raises Aborted once another job failed
-
-    # -- row-block chunks -----------------------------------------------------------------
-    def _copy_job(self, pieces: list[_Piece]) -> None:
-        buf = bytearray(BLOCK)
-        for p in pieces:
-            cb = self.ck.locate(p.tensor, p.chunk)
-            loc = cb.location
-            if not loc.contiguous:
-                self._write(p, self._gather(p, cb))
-            elif self.inline or p.out_dtype != loc.dtype or cb.reader.fileno is None:
-                self._stream(p, cb, buf)
-            else:
-                for pos in range(0, loc.nbytes, BLOCK):  # blocks, so cancel and progress work
-                    n = min(BLOCK, loc.nbytes - pos)
-                    self.outs[p.out].copy_from(cb.reader.fileno, loc.start + pos, n, p.offset + pos)
-                    self._advance(n)
-
-    def _check_job(self, pieces: list[_Piece]) -> None:
-        """CRC-32 of every record's storage, read beside the in-kernel copy of the same file."""
-        buf = bytearray(BLOCK)
-        for p in pieces:
-            cb = self.ck.locate(p.tensor, p.chunk)
-            if not cb.has_crc:  # a safetensors range: no checksum to check
-                continue
-            loc, crc = cb.location, 0
-            for pos in range(loc.data_offset, loc.data_offset + loc.entry.size, BLOCK):
-                n = self._pread(cb, buf, pos, min(BLOCK, loc.data_offset + loc.entry.size - pos))
-                crc = crc32(memoryview(buf)[:n], crc)
-                self._advance(0)
-            if crc != loc.entry.crc:
-                raise self._damaged(p, cb, f"CRC-32 mismatch (stored {loc.entry.crc:08x}, "
-                                    f"computed {crc:08x})")
-
-    def _stream(self, p: _Piece, cb: ChunkBytes, buf: bytearray) -> None:
-        """Read the record's storage in blocks: CRC all of it, cast and write the chunk's part."""
-        loc = cb.location
-        check = self.check_crc and self.inline and cb.has_crc
-        lo, hi = (loc.data_offset, loc.data_offset + loc.entry.size) if check \
-            else (loc.start, loc.start + loc.nbytes)
-        crc, num, den = 0, p.out_dtype.itemsize, loc.dtype.itemsize
-        for pos in range(lo, hi, BLOCK):
-            n = self._pread(cb, buf, pos, min(BLOCK, hi - pos))
-            view = memoryview(buf)[:n]
-            crc = crc32(view, crc) if check else crc
-            a, b = max(pos, loc.start), min(pos + n, loc.start + loc.nbytes)
-            if a < b:
-                data = cast_bytes(view[a - pos:b - pos], loc.dtype, p.out_dtype)
-                self.outs[p.out].pwrite(data, p.offset + (a - loc.start) * num // den)
-                self._advance(len(data))
-        if check and crc != loc.entry.crc:
-            raise self._damaged(p, cb, f"CRC-32 mismatch (stored {loc.entry.crc:08x}, computed "
-                                f"{crc:08x})")
-
-    def _pread(self, cb: ChunkBytes, buf: bytearray, pos: int, n: int) -> int:
-        fd = cb.reader.fileno
-        if fd is not None:
-            got = os.preadv(fd, [memoryview(buf)[:n]], pos)
-        else:
-            data = cb.reader.pread(pos, n)
-            buf[:len(data)] = data
-            got = len(data)
-        if got != n:
-            raise CorruptCheckpointError(f"{self.ck.storage.url_of(cb.reader.rel)} is cut short "
-                                         f"at byte {pos + got}; run 'ckptool validate --deep'")
-        return got
-
-    def _damaged(self, p: _Piece, cb: ChunkBytes, what: str) -> CorruptCheckpointError:
-        where = self.ck.storage.url_of(cb.reader.rel)
-        return ChecksumError(
-            f"{where} (item {p.tensor.fqn}): {what}: the bytes are damaged; nothing was written",
-            path=where, hint="Use an earlier checkpoint; 'ckptool validate --deep' checks all records")
-
-    # -- other layouts: one tensor at a time -------------------------------------------------
-    def _gather(self, p: _Piece, cb: ChunkBytes) -> memoryview:
-        """One chunk's row-major bytes from any record (CRC-checked), cast to the output dtype."""
-        loc = cb.location
-        raw = bytearray(loc.entry.size)
-        self._pread(cb, raw, loc.data_offset, loc.entry.size)
-        if self.check_crc and cb.has_crc and crc32(raw) != loc.entry.crc:
-            raise self._damaged(p, cb, "CRC-32 mismatch")
-        first = memoryview(raw)[loc.storage_offset * loc.dtype.itemsize:]
-        return cast_bytes(memoryview(rowmajor(first, loc)), loc.dtype, p.out_dtype)
-
-    def _whole_job(self, whole: list[_Piece]) -> None:
-        import numpy as np
-
-        for p in whole:
-            t, item = p.tensor, p.out_dtype.itemsize
-            full = np.empty(t.shape, np.dtype(f"V{item}"))
-            for c in t.chunks:
-                if c.numel:
-                    part = np.frombuffer(self._gather(p, self.ck.locate(t, c)), full.dtype)
-                    idx = tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes))
-                    full[idx] = part.reshape(c.sizes)
-                    self._advance(0)
-            self._write(p, memoryview(full.reshape(-1).view(np.uint8)))
-
-    def _write(self, p: _Piece, data: memoryview) -> None:
-        self.outs[p.out].pwrite(data, p.offset)
-        self._advance(len(data))

@@ -1,0 +1,241 @@
+"""Moving a consolidate plan's chunk bytes into the safetensors output files, on worker threads.
+
+A ``Piece`` maps one row-block chunk (FSDP2 ``Shard(0)``) to one contiguous range of an output
+file; ``whole`` pieces are tensors saved in other boxes, assembled in memory one at a time.
+``Copier.run`` opens the outputs and runs the jobs (``copy_engine.run_jobs``):
+
+- local source, bytes as saved: per source file, front to back, an in-kernel copy job
+  (``copy_file_range``) and, when CRC-32s are checked, a check job reading the same file beside
+  it, so the two overlap on two cores;
+- local source, bytes through Python (a cast, ``verify``): per file one job reads each block
+  once (``row_source.read_blocks``): CRC, cast, positioned write;
+- remote source: the records are located in parallel, then every block (``BLOCK``) is its own
+  job, one ranged request written at its output offset, so ``workers`` requests run at once;
+  the blocks' CRC-32s are combined per record (``crc32_combine``) and checked at the end.
+
+Memory: one block (plus its cast) per worker, and one full tensor for non-row-block layouts.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckptool.errors import ChecksumError, CorruptCheckpointError
+from ckptool.format.copy_engine import Progress, Ticker, run_jobs
+from ckptool.format.crc import crc32, crc32_combine
+from ckptool.format.dtypes import DType
+from ckptool.format.metadata import Chunk, TensorEntry
+from ckptool.format.reader import CheckpointReader, ChunkBytes, rowmajor
+from ckptool.format.row_source import ByteRange, blocks_of, read_block, read_blocks
+from ckptool.format.safetensors_writer import FileLayout, OutputFile, cast_bytes
+from ckptool.storage import BLOCK
+
+#: Parallel ranged requests for a remote source (each holds one ``BLOCK``).
+REMOTE_WORKERS = 16
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Bytes of one chunk -> one contiguous range of an output file."""
+
+    tensor: TensorEntry
+    chunk: Chunk
+    out: int          # index of the output file
+    offset: int       # absolute offset in that file
+    out_dtype: DType
+
+
+@dataclass(frozen=True)
+class _Block:
+    """One ranged read of a remote piece's record; ``check``: its CRC-32 counts for the record."""
+
+    piece: int
+    span: ByteRange
+    check: bool
+
+
+class Copier:
+    """Moves chunk bytes into open output files (see the module docstring for the jobs).
+
+    ``inline``: the bytes pass through Python (a cast or ``verify``); ``track``: every write
+    is hashed so ``OutputFile.verify`` can re-read it. ``ck`` must be safe to share between
+    threads for a remote source (``row_source.SharedReader``).
+    """
+
+    def __init__(self, ck: CheckpointReader, *, check_crc: bool, track: bool, inline: bool) -> None:
+        self.ck, self.check_crc, self.track, self.inline = ck, check_crc, track, inline
+        self.ticker = Ticker(None, 0)
+        self.outs: list[OutputFile] = []
+
+    def run(self, paths: list[Path], layouts: list[FileLayout], pieces: list[Piece],
+            whole: list[Piece], workers: int | None, progress: Progress | None) -> None:
+        """Write every piece into ``paths`` (laid out as ``layouts``); fsync them unless failed."""
+        for rel in {c.storage.relative_path for p in pieces + whole for c in p.tensor.chunks
+                    if c.storage}:
+            self.ck.reader(rel)  # opened here, so worker threads only read
+        self.ticker = Ticker(progress, sum(lay.data_bytes for lay in layouts))
+        try:
+            for path, lay in zip(paths, layouts):
+                self.outs.append(OutputFile(path, lay, track=self.track))
+            if self.ck.storage.is_local:
+                self._run_local(pieces, whole, workers or 2)
+            else:
+                self._run_remote(pieces, whole, workers or REMOTE_WORKERS)
+        finally:
+            for o in self.outs:
+                o.close(sync=not self.ticker.abort.is_set())
+
+    def _run_local(self, pieces: list[Piece], whole: list[Piece], workers: int) -> None:
+        files: dict[str, list[Piece]] = {}
+        for p in pieces:
+            files.setdefault(p.chunk.storage.relative_path, []).append(p)  # type: ignore[union-attr]
+        jobs: list[Callable[[], object]] = []
+        for ps in files.values():
+            jobs.append(functools.partial(self._copy_job, ps))
+            if self.check_crc and not self.inline:
+                jobs.append(functools.partial(self._check_job, ps))
+        jobs += [functools.partial(self._whole_job, whole)] if whole else []
+        run_jobs(self.ticker, lambda job: job(), jobs, workers)
+
+    def _run_remote(self, pieces: list[Piece], whole: list[Piece], workers: int) -> None:
+        located = run_jobs(self.ticker, lambda p: self.ck.locate(p.tensor, p.chunk), pieces,
+                           workers)
+        blocks: list[_Block | None] = []
+        jobs: list[Callable[[], int | None]] = []
+        for i, (p, cb) in enumerate(zip(pieces, located)):
+            if not cb.location.contiguous:
+                blocks.append(None)
+                jobs.append(functools.partial(self._gather_job, p, cb))
+                continue
+            span, check = self._span(cb)
+            for part in blocks_of(span, BLOCK):
+                blocks.append(_Block(i, part, check))
+                jobs.append(functools.partial(self._fetch_job, p, cb, blocks[-1]))
+        jobs += [functools.partial(self._whole_job, whole)] if whole else []
+        crcs = run_jobs(self.ticker, lambda job: job(), jobs, workers)
+        self._check_blocks(pieces, located, blocks, crcs)
+
+    def _advance(self, n: int) -> None:
+        self.ticker.add(n)  # raises Aborted once another job failed
+
+    # -- row-block chunks -----------------------------------------------------------------
+    def _copy_job(self, pieces: list[Piece]) -> None:
+        buf = bytearray(BLOCK)
+        for p in pieces:
+            cb = self.ck.locate(p.tensor, p.chunk)
+            loc = cb.location
+            if not loc.contiguous:
+                self._write(p, self._gather(p, cb))
+            elif self.inline:  # (a cast, if any, is what makes out_dtype differ)
+                self._stream(p, cb, buf)
+            else:
+                for pos in range(0, loc.nbytes, BLOCK):  # blocks, so cancel and progress work
+                    n = min(BLOCK, loc.nbytes - pos)
+                    self.outs[p.out].copy_from(cb.reader.fileno, loc.start + pos, n,  # type: ignore[arg-type]
+                                               p.offset + pos)
+                    self._advance(n)
+
+    def _check_job(self, pieces: list[Piece]) -> None:
+        """CRC-32 of every record's data, read beside the in-kernel copy of the same file."""
+        buf = bytearray(BLOCK)
+        for p in pieces:
+            cb = self.ck.locate(p.tensor, p.chunk)
+            if not cb.has_crc:  # a safetensors range: no checksum to check
+                continue
+            crc = 0
+            for data in read_blocks(self._span(cb)[0], buf):
+                crc = crc32(data, crc)
+                self._advance(0)
+            self._check_crc(p, cb, crc)
+
+    def _stream(self, p: Piece, cb: ChunkBytes, buf: bytearray) -> None:
+        """Read the record's data in blocks: CRC all of it, cast and write the chunk's part."""
+        span, check = self._span(cb)
+        crc, pos = 0, span.start
+        for data in read_blocks(span, buf):
+            crc = crc32(data, crc) if check else crc
+            self._place(p, cb, pos, data)
+            pos += len(data)
+        if check:
+            self._check_crc(p, cb, crc)
+
+    def _fetch_job(self, p: Piece, cb: ChunkBytes, block: _Block) -> int | None:
+        """One ranged read of a remote record: placed in the output; its CRC-32 if it counts."""
+        self._advance(0)
+        data = read_block(block.span)
+        self._place(p, cb, block.span.start, data)
+        return crc32(data) if block.check else None
+
+    def _span(self, cb: ChunkBytes) -> tuple[ByteRange, bool]:
+        """What to read of the chunk's record, and whether to check it: all of the record's
+        data when its CRC-32 is checked, else the chunk's own bytes."""
+        loc = cb.location
+        if self.check_crc and cb.has_crc:
+            return ByteRange(None, cb.reader, loc.data_offset, 0, loc.entry.size), True
+        return ByteRange(None, cb.reader, loc.start, 0, loc.nbytes), False
+
+    def _place(self, p: Piece, cb: ChunkBytes, pos: int, data: memoryview) -> None:
+        """Cast and write the part of ``data`` (read at file offset ``pos``) inside the chunk."""
+        loc = cb.location
+        a, b = max(pos, loc.start), min(pos + len(data), loc.start + loc.nbytes)
+        if a < b:
+            out = cast_bytes(data[a - pos:b - pos], loc.dtype, p.out_dtype)
+            self.outs[p.out].pwrite(out, p.offset + (a - loc.start) * p.out_dtype.itemsize
+                                    // loc.dtype.itemsize)
+            self._advance(len(out))
+
+    def _check_blocks(self, pieces: list[Piece], located: list[ChunkBytes],
+                      blocks: list[_Block | None], crcs: list[int | None]) -> None:
+        """Combine the remote blocks' CRC-32s (in file order) per record and check them."""
+        combined: dict[int, int] = {}
+        for block, crc in zip(blocks, crcs):
+            if block is not None and block.check:
+                prev = combined.get(block.piece, 0)
+                combined[block.piece] = crc32_combine(prev, crc, block.span.length)  # type: ignore[arg-type]
+        for i, crc in combined.items():
+            self._check_crc(pieces[i], located[i], crc)
+
+    def _check_crc(self, p: Piece, cb: ChunkBytes, crc: int) -> None:
+        stored = cb.location.entry.crc
+        if crc != stored:
+            raise self._damaged(p, cb, f"CRC-32 mismatch (stored {stored:08x}, computed {crc:08x})")
+
+    def _damaged(self, p: Piece, cb: ChunkBytes, what: str) -> CorruptCheckpointError:
+        where = self.ck.storage.url_of(cb.reader.rel)
+        return ChecksumError(
+            f"{where} (item {p.tensor.fqn}): {what}: the bytes are damaged; nothing was written",
+            path=where, hint="Use an earlier checkpoint; 'ckptool validate --deep' checks all records")
+
+    # -- other layouts: one tensor at a time -------------------------------------------------
+    def _gather(self, p: Piece, cb: ChunkBytes) -> memoryview:
+        """One chunk's row-major bytes from any record (CRC-checked), cast to the output dtype."""
+        loc = cb.location
+        raw = read_block(ByteRange(None, cb.reader, loc.data_offset, 0, loc.entry.size))
+        if self.check_crc and cb.has_crc and crc32(raw) != loc.entry.crc:
+            raise self._damaged(p, cb, "CRC-32 mismatch")
+        first = raw[loc.storage_offset * loc.dtype.itemsize:]
+        return cast_bytes(memoryview(rowmajor(first, loc)), loc.dtype, p.out_dtype)
+
+    def _gather_job(self, p: Piece, cb: ChunkBytes) -> None:
+        self._write(p, self._gather(p, cb))
+
+    def _whole_job(self, whole: list[Piece]) -> None:
+        import numpy as np
+
+        for p in whole:
+            t, item = p.tensor, p.out_dtype.itemsize
+            full = np.empty(t.shape, np.dtype(f"V{item}"))
+            for c in t.chunks:
+                if c.numel:
+                    part = np.frombuffer(self._gather(p, self.ck.locate(t, c)), full.dtype)
+                    idx = tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes))
+                    full[idx] = part.reshape(c.sizes)
+                    self._advance(0)
+            self._write(p, memoryview(full.reshape(-1).view(np.uint8)))
+
+    def _write(self, p: Piece, data: memoryview) -> None:
+        self.outs[p.out].pwrite(data, p.offset)
+        self._advance(len(data))
