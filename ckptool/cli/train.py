@@ -17,6 +17,8 @@ from ckptool.cli._common import echo_json, human_bytes, plural, progress_enabled
 from ckptool.errors import ConfigError
 from ckptool.storage import is_url
 from ckptool.train.config import ACTIVATION_CHECKPOINTING, DEVICES, PRECISION, SHARDING, TrainConfig
+from ckptool.train.events import RunStarted, SaveReport, StepReport, TrainResult
+from ckptool.train.preflight import Notice
 from ckptool.train.sizes import PRESETS
 
 # CLI option name -> TrainConfig field, where they differ.
@@ -28,56 +30,72 @@ def _default(name: str) -> str:
     return f"  [default: {TrainConfig.__dataclass_fields__[name].default}]"
 
 
+_PATH, _FILE = click.Path(file_okay=False), click.Path(dir_okay=False)
+_FLAG: dict[str, Any] = {"is_flag": True, "default": None}
+#: Where the run goes, how long it is and how it saves.
+_RUN = [
+    click.option("--out", type=_PATH, help="Run folder (step_N/ checkpoints)." + _default("out")),
+    click.option("--nproc", type=int, help="Ranks to start (default: one per GPU, or 2 on CPU)."),
+    click.option("--steps", type=int, help="Train up to this step." + _default("steps")),
+    click.option("--save-every", type=int, help="Checkpoint every K steps; 0: never." + _default("save_every")),
+    click.option("--keep", type=int, help="Committed checkpoints to keep; 0: all." + _default("keep")),
+    click.option("--async-save", **_FLAG, help="Save in a background process (dcp.async_save)."),
+    click.option("--seed", type=int, help="Seed for weights and data order." + _default("seed")),
+]
+#: The built-in model's shape.
+_MODEL = [
+    click.option("--model", type=click.Choice(list(PRESETS)), help="Model size." + _default("model")),
+    click.option("--d-model", type=int, help="Override the width."),
+    click.option("--layers", type=int, help="Override the number of blocks."),
+    click.option("--heads", type=int, help="Override the attention heads."),
+    click.option("--vocab", type=int, help="Override the vocabulary size."),
+    click.option("--d-ff", type=int, help="Override the MLP width (default 4 x width)."),
+    click.option("--max-seq-len", type=int, help="Override the position-embedding length."),
+]
+#: How the model is sharded and computed.
+_PARALLEL = [
+    click.option("--sharding", type=click.Choice(SHARDING), help="FSDP strategy." + _default("sharding")),
+    click.option("--hybrid-shard-size", type=int, help="Ranks per shard group for --sharding hybrid."),
+    click.option("--mixed-precision", type=click.Choice(PRECISION), help="Default: bf16 on GPU, fp32 on CPU."),
+    click.option("--activation-checkpointing", type=click.Choice(ACTIVATION_CHECKPOINTING),
+                 help="Recompute activations of every / every second block."
+                 + _default("activation_checkpointing")),
+    click.option("--cpu-offload", **_FLAG, help="Keep sharded state in host memory (CPUOffloadPolicy)."),
+]
+#: The optimizer, its schedule and the batches.
+_OPTIMIZER = [
+    click.option("--lr", type=float, help="Peak learning rate." + _default("lr")),
+    click.option("--warmup-steps", type=int, help="Linear warmup (default: 10% of the decay, at most 100)."),
+    click.option("--lr-decay-steps", type=int, help="End of the cosine decay (default: --steps)."),
+    click.option("--weight-decay", type=float, help="AdamW weight decay." + _default("weight_decay")),
+    click.option("--grad-clip", type=float, help="Gradient-norm clip; 0: off." + _default("grad_clip")),
+    click.option("--batch-size", type=int, help="GLOBAL sequences per micro-step." + _default("batch_size")),
+    click.option("--seq-len", type=int, help="Tokens per sequence (default: the model's max)."),
+    click.option("--grad-accum", type=int, help="Micro-batches per step." + _default("grad_accum")),
+]
+#: What the run starts from, where options and data come from, and output.
+_START = [
+    click.option("--no-resume", **_FLAG, help="Start fresh; refuse an --out that holds checkpoints."),
+    click.option("--resume-from", type=click.Path(), help="Resume from this checkpoint folder."),
+    click.option("--init-from", type=click.Path(),
+                 help="Fresh run: start from these model weights (checkpoint or HF safetensors)."),
+    click.option("--hf-model", metavar="SRC", help="Fine-tune a transformers causal LM instead: HF model "
+                 "folder, Hub repo id, or a config.json (random init); needs ckptool[hf]."),
+    click.option("--trust-remote-code", **_FLAG, help="Let --hf-model run the model folder's own code (auto_map)."),
+    click.option("--config", type=_FILE, help="YAML/JSON file of these options (dashes or underscores)."),
+    click.option("--accelerate-config", type=_FILE, help="Take FSDP settings from an Accelerate config file."),
+    click.option("--log-every", type=int, help="Report progress every K steps." + _default("log_every")),
+    click.option("--data", type=_FILE, help="Text file to train on (bytes as tokens; default: built-in corpus)."),
+    click.option("--scaling-check", **_FLAG, help="Also time 1 rank; report samples/s at N vs 1 rank."),
+    click.option("--final-model-only", **_FLAG, help="Also save OUT/final_model (model weights only)."),
+    click.option("--device", type=click.Choice(DEVICES), help="CUDA when available." + _default("device")),
+    click.option("--json", "json_out", is_flag=True, help="Print the summary as JSON (no progress)."),
+]
+
+
 def _options(f: Any) -> Any:
-    path, file = click.Path(file_okay=False), click.Path(dir_okay=False)
-    flag = {"is_flag": True, "default": None}
-    opts = [
-        click.option("--out", type=path, help="Run folder (step_N/ checkpoints)." + _default("out")),
-        click.option("--nproc", type=int, help="Ranks to start (default: one per GPU, or 2 on CPU)."),
-        click.option("--steps", type=int, help="Train up to this step." + _default("steps")),
-        click.option("--save-every", type=int, help="Checkpoint every K steps; 0: never." + _default("save_every")),
-        click.option("--keep", type=int, help="Committed checkpoints to keep; 0: all." + _default("keep")),
-        click.option("--async-save", **flag, help="Save in a background process (dcp.async_save)."),
-        click.option("--seed", type=int, help="Seed for weights and data order." + _default("seed")),
-        click.option("--model", type=click.Choice(list(PRESETS)), help="Model size." + _default("model")),
-        click.option("--d-model", type=int, help="Override the width."),
-        click.option("--layers", type=int, help="Override the number of blocks."),
-        click.option("--heads", type=int, help="Override the attention heads."),
-        click.option("--vocab", type=int, help="Override the vocabulary size."),
-        click.option("--d-ff", type=int, help="Override the MLP width (default 4 x width)."),
-        click.option("--max-seq-len", type=int, help="Override the position-embedding length."),
-        click.option("--sharding", type=click.Choice(SHARDING), help="FSDP strategy." + _default("sharding")),
-        click.option("--hybrid-shard-size", type=int, help="Ranks per shard group for --sharding hybrid."),
-        click.option("--mixed-precision", type=click.Choice(PRECISION), help="Default: bf16 on GPU, fp32 on CPU."),
-        click.option("--activation-checkpointing", type=click.Choice(ACTIVATION_CHECKPOINTING),
-                     help="Recompute activations of every / every second block."
-                     + _default("activation_checkpointing")),
-        click.option("--cpu-offload", **flag, help="Keep sharded state in host memory (CPUOffloadPolicy)."),
-        click.option("--lr", type=float, help="Peak learning rate." + _default("lr")),
-        click.option("--warmup-steps", type=int, help="Linear warmup (default: 10% of the decay, at most 100)."),
-        click.option("--lr-decay-steps", type=int, help="End of the cosine decay (default: --steps)."),
-        click.option("--weight-decay", type=float, help="AdamW weight decay." + _default("weight_decay")),
-        click.option("--grad-clip", type=float, help="Gradient-norm clip; 0: off." + _default("grad_clip")),
-        click.option("--batch-size", type=int, help="GLOBAL sequences per micro-step." + _default("batch_size")),
-        click.option("--seq-len", type=int, help="Tokens per sequence (default: the model's max)."),
-        click.option("--grad-accum", type=int, help="Micro-batches per step." + _default("grad_accum")),
-        click.option("--no-resume", **flag, help="Start fresh; refuse an --out that holds checkpoints."),
-        click.option("--resume-from", type=click.Path(), help="Resume from this checkpoint folder."),
-        click.option("--init-from", type=click.Path(),
-                     help="Fresh run: start from these model weights (checkpoint or HF safetensors)."),
-        click.option("--hf-model", metavar="SRC", help="Fine-tune a transformers causal LM instead: HF model "
-                     "folder, Hub repo id, or a config.json (random init); needs ckptool[hf]."),
-        click.option("--trust-remote-code", **flag, help="Let --hf-model run the model folder's own code (auto_map)."),
-        click.option("--config", type=file, help="YAML/JSON file of these options (dashes or underscores)."),
-        click.option("--accelerate-config", type=file, help="Take FSDP settings from an Accelerate config file."),
-        click.option("--log-every", type=int, help="Report progress every K steps." + _default("log_every")),
-        click.option("--data", type=file, help="Text file to train on (bytes as tokens; default: built-in corpus)."),
-        click.option("--scaling-check", **flag, help="Also time 1 rank; report samples/s at N vs 1 rank."),
-        click.option("--final-model-only", **flag, help="Also save OUT/final_model (model weights only)."),
-        click.option("--device", type=click.Choice(DEVICES), help="CUDA when available." + _default("device")),
-        click.option("--json", "json_out", is_flag=True, help="Print the summary as JSON (no progress)."),
-    ]
-    for opt in reversed(opts):
+    """Apply every option of ``train``, in --help order."""
+    for opt in reversed(_RUN + _MODEL + _PARALLEL + _OPTIMIZER + _START):
         f = opt(f)
     return f
 
@@ -149,21 +167,21 @@ class _Progress:
         self.bar: Any = None
         self.use_bar = enabled and progress_enabled(False)
 
-    def __call__(self, event: Any) -> None:
+    def __call__(self, event: Notice | RunStarted | StepReport | SaveReport) -> None:
         if not self.enabled:
             return
-        kind = type(event).__name__
-        if kind == "Notice":
-            self._line(f"note: {event.text}")
-        elif kind == "RunStarted":
-            self._started(event)
-        elif kind == "StepReport":
-            self._step(event)
-        elif kind == "SaveReport":
-            what = "saving" if event.is_async else "saved"
-            self._line(f"{what} {_short(event.path)} (training blocked {event.blocked_seconds:.2f} s)")
+        match event:
+            case Notice(text=text):
+                self._line(f"note: {text}")
+            case RunStarted():
+                self._started(event)
+            case StepReport():
+                self._step(event)
+            case SaveReport(path=path, blocked_seconds=blocked, is_async=is_async):
+                what = "saving" if is_async else "saved"
+                self._line(f"{what} {_short(path)} (training blocked {blocked:.2f} s)")
 
-    def _started(self, e: Any) -> None:
+    def _started(self, e: RunStarted) -> None:
         self._line(f"training {e.model_params:,} parameters on {plural(e.world_size, 'rank')}: "
                    f"{e.device}, {e.precision}, sharding {e.sharding}")
         where = f"resumed from {_short(e.resumed_from)}" if e.resumed_from else "fresh start"
@@ -179,7 +197,7 @@ class _Progress:
                             bar_format="{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
                                        "[{elapsed}<{remaining}{postfix}]")
 
-    def _step(self, e: Any) -> None:
+    def _step(self, e: StepReport) -> None:
         if self.bar is not None:
             self.bar.update(e.step - self.bar.n)
             self.bar.set_postfix_str(f"loss {e.loss:.4f}, {e.tokens_per_s:,.0f} tok/s", refresh=True)
@@ -211,14 +229,14 @@ def _short(path: str) -> str:
     return path if rel.startswith("..") else rel
 
 
-def _export(r: Any, cfg: Any) -> str:
+def _export(r: TrainResult, cfg: Any) -> str:
     """Where the summary suggests exporting to: an HF model is a folder from_pretrained loads."""
     if getattr(cfg, "hf_model", None) and not is_url(r.out):
         return _short(r.out.rstrip("/")) + "-hf/"
     return "model.safetensors"
 
 
-def render_summary(r: Any, cfg: Any) -> str:
+def render_summary(r: TrainResult, cfg: Any) -> str:
     """The human summary of a ``TrainResult``, ending with the next commands to try."""
     if not r.losses:
         return (f"{_short(r.out)} is already at step {r.steps} (--steps {cfg.steps}): nothing to train.\n"

@@ -4,7 +4,7 @@ Owns one run on one rank (called on all ranks of an initialized process group). 
 model (``model.py``), shards it (``parallel.py``), reads batches (``data.py``) and saves and
 resumes through ``ckptool.checkpoint.Checkpointer`` -- the same class a user script would use.
 Spawning the ranks is ``launch.py``'s job; printing is the CLI's (rank 0 passes events to the
-``on_event`` callback and returns a ``TrainResult``).
+``on_event`` callback and returns a ``TrainResult``; both are ``events.py``'s).
 
 Testing hook: ``CKPTOOL_TEST_KILL=RANK:STEP`` in the environment makes that rank kill itself
 with SIGKILL when it reaches that step (to test rank-death handling end to end).
@@ -30,81 +30,11 @@ from ckptool.errors import ConfigError, IncompatibleCheckpointError
 from ckptool.train import parallel
 from ckptool.train.config import TrainConfig
 from ckptool.train.data import TokenBatches
+from ckptool.train.events import RunStarted, SaveReport, StepReport, TrainResult
 from ckptool.train.model import GPT
 from ckptool.train.preflight import Notice, check_fresh_out, check_resume_from, model_mismatch, read_resume, resume_notices
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RunStarted:
-    """Sent once, after resume, before the first step."""
-
-    world_size: int
-    device: str
-    precision: str
-    sharding: str
-    model_params: int
-    start_step: int
-    steps: int
-    resumed_from: str | None
-
-
-@dataclass(frozen=True)
-class StepReport:
-    """Sent every ``log_every`` steps (and at the last one)."""
-
-    step: int
-    steps: int
-    loss: float
-    lr: float
-    tokens_per_s: float
-    step_seconds: float
-    state_bytes: list[dict[str, int]]
-    peak_memory_bytes: list[int] | None
-    save_seconds: float
-    blocked_seconds: float
-
-
-@dataclass(frozen=True)
-class SaveReport:
-    """Sent after each ``save`` call returned (for an async save: once it is in flight)."""
-
-    step: int
-    path: str
-    blocked_seconds: float
-    is_async: bool
-
-
-@dataclass
-class TrainResult:
-    """Summary of a run (JSON-able through ``dataclasses.asdict``)."""
-
-    out: str
-    world_size: int
-    device: str
-    precision: str
-    sharding: str
-    model_params: int
-    start_step: int
-    steps: int
-    resumed_from: str | None
-    first_loss: float | None
-    final_loss: float | None
-    losses: list[float]
-    wall_seconds: float
-    tokens_per_s: float
-    samples_per_s: float
-    state_bytes: list[dict[str, int]]
-    peak_memory_bytes: list[int] | None
-    saves: int
-    save_seconds: float
-    blocked_seconds: float
-    checkpoints: list[str] = field(default_factory=list)
-    latest: str | None = None
-    scaling: dict[str, float] | None = None
-    notes: list[str] = field(default_factory=list)
-    """What differs from the checkpoint resumed (rank count, sharding, LR schedule, batch)."""
 
 
 class TrainState:
