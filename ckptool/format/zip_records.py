@@ -14,7 +14,11 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ckptool.errors import ChecksumError, CorruptCheckpointError, IncompatibleCheckpointError
+from ckptool.errors import (
+    ChecksumError,
+    CorruptCheckpointError,
+    IncompatibleCheckpointError,
+)
 from ckptool.format.crc import crc32
 from ckptool.format.metadata import StorageRef
 from ckptool.storage import BLOCK, RangeReader
