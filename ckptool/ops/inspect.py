@@ -7,23 +7,45 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from ckptool.errors import CkptError
 from ckptool.format import manifest as mf
 from ckptool.format.checkpoint_dirs import CheckpointDir, classify, list_checkpoints, resolve_checkpoint
-from ckptool.format.metadata import read_metadata
-from ckptool.format.state_layout import describe, read_layout
+from ckptool.format.metadata import CheckpointMetadata, read_metadata
+from ckptool.format.state_layout import StateLayout, describe, read_layout
 from ckptool.ops.validate import validate
 from ckptool.storage import Storage
 
 GROUPS = ("model", "optimizer", "other")
 
 
+class KeyKind(str, Enum):
+    """What a saved key holds. A ``str``: ``KeyKind.TENSOR == "tensor"``; JSON shows "tensor"."""
+
+    TENSOR = "tensor"
+    OBJECT = "object"  # any other value (step, RNG state, ...), pickled
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class RunStatus(str, Enum):
+    """A checkpoint's state in a run folder. A ``str``: ``RunStatus.COMPLETE == "complete"``."""
+
+    COMPLETE = "complete"  # committed and structurally valid
+    INCOMPLETE = "incomplete"  # not committed (no .metadata): the save never finished
+    INVALID = "invalid"  # committed, but validate found an error
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass(frozen=True)
 class KeyInfo:
     fqn: str
-    kind: str                 # "tensor" | "object"
+    kind: KeyKind
     dtype: str | None
     shape: tuple[int, ...] | None
     chunks: int
@@ -92,12 +114,7 @@ def inspect(path: str | os.PathLike[str], *, model_key: str | None = None,
         lay = read_layout(meta, model_key=model_key if part == ckpt.model_part else None,
                           keep_wrappers=keep_wrappers, ckptool_manifest=part_man is not None,
                           where=st.url)
-        for t in meta.tensors.values():
-            groups[lay.groups[t.fqn].value].append(
-                KeyInfo(t.fqn, "tensor", t.dtype.name, t.shape, len(t.chunks), t.nbytes))
-        for o in meta.objects.values():
-            groups[lay.groups[o.fqn].value].append(
-                KeyInfo(o.fqn, "object", None, None, 1, o.storage.length if o.storage else 0))
+        _group_keys(groups, meta, lay)
         if part == ckpt.model_part:
             how, note, names = describe(lay), lay.note, lay.names
         man = man or part_man
@@ -112,6 +129,17 @@ def inspect(path: str | os.PathLike[str], *, model_key: str | None = None,
     )
 
 
+def _group_keys(groups: dict[str, list[KeyInfo]], meta: CheckpointMetadata,
+                lay: StateLayout) -> None:
+    """Add every key of one part's ``.metadata`` to its group (model / optimizer / other)."""
+    for t in meta.tensors.values():
+        groups[lay.groups[t.fqn].value].append(
+            KeyInfo(t.fqn, KeyKind.TENSOR, t.dtype.name, t.shape, len(t.chunks), t.nbytes))
+    for o in meta.objects.values():
+        groups[lay.groups[o.fqn].value].append(
+            KeyInfo(o.fqn, KeyKind.OBJECT, None, None, 1, o.storage.length if o.storage else 0))
+
+
 def _manifest(st: Storage) -> mf.Manifest | None:
     try:
         return mf.read_manifest(st)
@@ -124,7 +152,7 @@ class RunEntry:
     name: str
     path: str
     step: int | None
-    status: str               # "complete" | "incomplete" | "invalid"
+    status: RunStatus
     world_size: int | None
     bytes: int
     mtime: float | None
@@ -144,7 +172,7 @@ def list_run(run: str | os.PathLike[str]) -> list[RunEntry]:
     own = classify(storage) if storage.isdir() else None
     found = [own] if own is not None else list_checkpoints(storage)  # a checkpoint lists itself
     entries = [_entry(c) for c in found]
-    good = [i for i, e in enumerate(entries) if e.status == "complete"]
+    good = [i for i, e in enumerate(entries) if e.status is RunStatus.COMPLETE]
     if good:
         i = good[-1]
         e = entries[i]
@@ -159,9 +187,9 @@ def _entry(ckpt: CheckpointDir) -> RunEntry:
     size = sum(f.size for f in files)
     mtime = max((f.mtime or 0 for f in files), default=None) or None
     if not ckpt.committed:
-        return RunEntry(ckpt.name, ckpt.url, ckpt.step, "incomplete", None, size, mtime)
+        return RunEntry(ckpt.name, ckpt.url, ckpt.step, RunStatus.INCOMPLETE, None, size, mtime)
     report = validate(ckpt)
-    status = "complete" if report.ok else "invalid"
+    status = RunStatus.COMPLETE if report.ok else RunStatus.INVALID
     step = ckpt.step
     if step is None:  # final_model, step_300-ws4: the manifest knows the step
         man = _manifest(ckpt.part(ckpt.model_part))
