@@ -1,4 +1,4 @@
-"""The one place that knows torch.distributed.checkpoint's private, version-specific details.
+"""Writing DCP's ``.metadata`` without torch: the pickle of its private, version-specific classes.
 
 ckptool writes DCP's ``.metadata`` without importing torch (importing it costs seconds and
 ~265 MB, more than reshard's whole memory budget). The file is a pickle of
@@ -9,7 +9,8 @@ same pickled state of each class (``TensorProperties`` pickles a 5-tuple, ``_Sto
 drops ``None`` fields, ``MetadataIndex`` of a non-tensor has no ``offset``), ``torch.Size`` as
 ``Size(tuple)``, dtypes as ``torch.<name>`` globals.
 
-Globals are emitted by name and never imported. ``tests/unit/test_reshard_format.py`` loads
+Globals are emitted by name and never imported; the names are ``pickle_globals.py``'s (the
+one place that spells torch's paths, also for reading). ``tests/unit/test_reshard_format.py`` loads
 the result with torch and compares it with the real dataclasses, pinned to ``TESTED_TORCH``.
 Reading ``.metadata`` stays in ``metadata.py`` (allow-listed unpickler).
 """
@@ -24,14 +25,15 @@ from typing import Any
 
 from ckptool.errors import IncompatibleCheckpointError
 from ckptool.format.metadata import CheckpointMetadata, StorageRef
+from ckptool.format.pickle_globals import (DCP_METADATA, GET_LAYOUT, MEM_FORMAT_ENCODING, STORAGE_INFO,
+                                           STRIDED, TORCH_SIZE)
 
 #: torch versions whose DCP format this module was checked against (major.minor).
 TESTED_TORCH = ("2.13",)
 #: DCP's ``CURRENT_DCP_VERSION``; written when the source index has none.
 DCP_VERSION = "1.0.0"
 
-_MD = "torch.distributed.checkpoint.metadata"
-_FS = "torch.distributed.checkpoint.filesystem"
+_MD = DCP_METADATA
 
 
 class _Global:
@@ -80,8 +82,8 @@ _ChunkStorageMetadata = _stand_in(_MD, "ChunkStorageMetadata")
 _TensorProperties = _stand_in(_MD, "TensorProperties")
 _MetadataIndex = _stand_in(_MD, "MetadataIndex")
 _StorageMeta = _stand_in(_MD, "StorageMeta")
-_StorageInfo = _stand_in(_FS, "_StorageInfo")
-_SIZE = _Global("torch", "Size")
+_StorageInfo = _stand_in(*STORAGE_INFO)
+_SIZE = _Global(*TORCH_SIZE)
 
 
 class _NamePickler(pickle._Pickler):  # the Python pickler: its save_global can be overridden
@@ -148,8 +150,8 @@ def encode_metadata(meta: CheckpointMetadata, *, checkpoint_id: str | None = Non
     Example:
         >>> open("out/.metadata", "wb").write(encode_metadata(meta, checkpoint_id="out"))
     """
-    layout = _Reduce(_Global("torch.serialization", "_get_layout"), ("torch.strided",))
-    contiguous = _Reduce(_Global(_MD, "_MEM_FORMAT_ENCODING"), (0,))
+    layout = _Reduce(_Global(*GET_LAYOUT), (STRIDED,))
+    contiguous = _Reduce(_Global(*MEM_FORMAT_ENCODING), (0,))
     dtypes: dict[str, _Global] = {}
     sdm: dict[str, _Instance] = {}
     storage: dict[_Instance, _Instance] = {}

@@ -2,8 +2,9 @@
 
 ``.metadata`` is a pickle of ``torch.distributed.checkpoint.metadata.Metadata``. torch's own
 ``FileSystemReader.read_metadata`` is a plain ``pickle.load``, so a hostile checkpoint runs code
-through it. Here the handful of classes that legitimately occur are mapped to local stand-ins
-(``safe_pickle``), then converted to the plain, validated model below. torch is never imported.
+through it. Here the handful of classes that legitimately occur are mapped to inert stand-ins
+(``safe_pickle`` with ``pickle_globals.METADATA_GLOBALS``, the one list of the torch names a
+pickle may use), then converted to the plain, validated model below. torch is never imported.
 
 Owns: the index model (``CheckpointMetadata``, ``TensorEntry``, ``Chunk``, ``StorageRef``).
 Which keys are the model, the optimizer or the rest is ``state_layout.py``'s business; bytes
@@ -20,7 +21,10 @@ from typing import Any
 
 from ckptool.errors import CorruptCheckpointError, IncompleteCheckpointError, UnsafeInputError
 from ckptool.format.dtypes import DTYPES, DType
-from ckptool.format.safe_pickle import Record, UnsafePickleError, safe_loads
+from ckptool.format.pickle_globals import (METADATA_GLOBALS, _BytesStorageMetadata, _ChunkStorageMetadata,
+                                           _DTypeToken, _Metadata, _MetadataIndex, _StorageInfo,
+                                           _StorageMeta, _TensorProperties, _TensorStorageMetadata)
+from ckptool.format.safe_pickle import UnsafePickleError, safe_loads
 from ckptool.storage import Storage
 
 METADATA = ".metadata"
@@ -140,84 +144,6 @@ class CheckpointMetadata:
 
 _RANK_RE = re.compile(r"__(\d+)_\d+\.distcp")
 _SHARD_RE = re.compile(r"(?:sharded/)?shard-(\d+)-model-\d+-of-\d+\.safetensors")
-
-# ---------------------------------------------------------------------------------------------
-# Stand-ins for the pickled classes
-
-
-class _Metadata(Record):
-    pass
-
-
-class _TensorStorageMetadata(Record):
-    pass
-
-
-class _BytesStorageMetadata(Record):
-    pass
-
-
-class _ChunkStorageMetadata(Record):
-    pass
-
-
-class _TensorProperties(Record):
-    _positional = ("dtype", "layout", "requires_grad", "memory_format", "pin_memory")
-
-
-class _StorageMeta(Record):
-    pass
-
-
-class _StorageInfo(Record):
-    pass
-
-
-class _MetadataIndex(Record):
-    _positional = ("fqn", "offset", "index")
-
-    def __hash__(self) -> int:  # used as a dict key in storage_data
-        return id(self)
-
-
-@dataclass(frozen=True)
-class _DTypeToken:
-    name: str
-
-
-# Real torch dtypes ckptool does not convert: read as data, refused with a clear message.
-_OTHER_TORCH_DTYPES = (
-    "complex128", "complex32", "cdouble", "chalf", "qint8", "quint8", "qint32", "quint4x2",
-    "quint2x4", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2",
-    "bits8", "bits16", "bits1x8", "bits2x4", "bits4x2",
-    *(f"uint{i}" for i in range(1, 8)), *(f"int{i}" for i in range(1, 8)),
-)
-
-
-def _size(dims: Any = ()) -> tuple[Any, ...]:
-    return tuple(dims)
-
-
-_DCP = "torch.distributed.checkpoint.metadata"
-METADATA_GLOBALS: dict[tuple[str, str], Any] = {
-    (_DCP, "Metadata"): _Metadata,
-    (_DCP, "TensorStorageMetadata"): _TensorStorageMetadata,
-    (_DCP, "BytesStorageMetadata"): _BytesStorageMetadata,
-    (_DCP, "ChunkStorageMetadata"): _ChunkStorageMetadata,
-    (_DCP, "TensorProperties"): _TensorProperties,
-    (_DCP, "MetadataIndex"): _MetadataIndex,
-    (_DCP, "StorageMeta"): _StorageMeta,
-    (_DCP, "_MEM_FORMAT_ENCODING"): lambda v: int(v),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
-    ("torch", "Size"): _size,
-    ("torch.serialization", "_get_layout"): lambda name: str(name),
-    ("torch", "strided"): "torch.strided",
-    ("pathlib", "PosixPath"): lambda *a: "/".join(map(str, a)),
-    ("pathlib", "WindowsPath"): lambda *a: "\\".join(map(str, a)),
-    ("pathlib", "PurePosixPath"): lambda *a: "/".join(map(str, a)),
-    **{("torch", name): _DTypeToken(name) for name in (*DTYPES, *_OTHER_TORCH_DTYPES)},
-}
-
 
 # ---------------------------------------------------------------------------------------------
 # Reading
