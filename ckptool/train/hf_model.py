@@ -41,6 +41,7 @@ from ckptool.train.config import TrainConfig
 from ckptool.train.data import TokenBatches, demo_corpus
 from ckptool.train.hf_resolve import TOKENIZER_FILES, Source, from_rank0, resolve, this_rank
 from ckptool.train.hf_weights import load_weights, model_names, random_init, tied_head
+from ckptool.train.torch_private import checkpoint_wrapped, set_buffer
 
 logger = logging.getLogger(__name__)
 
@@ -140,13 +141,11 @@ def apply_activation_checkpointing(model: nn.Module, layers: list[tuple[str, nn.
     the layers as they now sit in the model. ``state_dict()`` keys do not change."""
     if mode == "none":
         return [m for _, m in layers]
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
-
     step = 1 if mode == "every" else 2
     out = []
     for i, (name, module) in enumerate(layers):
         if i % step == 0:
-            module = checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+            module = checkpoint_wrapped(module)
             _replace(model, name, module)
         out.append(module)
     return out
@@ -170,7 +169,7 @@ def build(config: Any, cfg: TrainConfig, mesh: Any, device: torch.device, precis
     model.to_empty(device="cpu" if cfg.cpu_offload else device)
     for name, value in buffers.items():
         owner, _, attr = name.rpartition(".")
-        (model.get_submodule(owner) if owner else model)._buffers[attr] = value.to(device)
+        set_buffer(model.get_submodule(owner) if owner else model, attr, value.to(device))
     _check_ties(model, config)
     model.register_forward_hook(_logits)
     return model

@@ -16,8 +16,9 @@ from torch import nn
 
 from ckptool.errors import ConfigError, IncompatibleCheckpointError
 from ckptool.format.hf_source import HFSource, SourceTensor
+from ckptool.train.torch_private import AC_SEGMENT as _AC_SEGMENT
+from ckptool.train.torch_private import persistent_buffers, shard_offset
 
-_AC_SEGMENT = "_checkpoint_wrapped_module."
 _BLOCK = 8 << 20
 
 
@@ -28,9 +29,8 @@ def model_names(model: nn.Module) -> dict[str, torch.Tensor]:
     for name, p in model.named_parameters():
         out[name.replace(_AC_SEGMENT, "")] = p
     for mod_name, module in model.named_modules():
-        for b_name, b in module._buffers.items():
-            if b is not None and b_name not in module._non_persistent_buffers_set:
-                out[f"{mod_name}.{b_name}".lstrip(".").replace(_AC_SEGMENT, "")] = b
+        for b_name, b in persistent_buffers(module):
+            out[f"{mod_name}.{b_name}".lstrip(".").replace(_AC_SEGMENT, "")] = b
     return out
 
 
@@ -42,9 +42,7 @@ def _local_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
         return t.data, 0
     if any(not (p.is_replicate() or (p.is_shard() and p.dim == 0)) for p in t.placements):
         raise ConfigError(f"placements {t.placements} are not dim-0 shards; cannot read rows directly")
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    offset = shard_offset(t)
     return t.to_local(), (offset[0] if offset else 0)
 
 

@@ -291,11 +291,12 @@ def _broadcast(obj: Any) -> Any:
     return box[0]
 
 
-def _try(fn: Callable[[str], str], arg: str) -> tuple[str, str]:
+def _try(fn: Callable[[str], str], arg: str) -> tuple[str | None, str | None]:
+    """``(fn(arg), None)``, or ``(None, message)`` of the ``ConfigError`` it raised."""
     try:
-        return "ok", fn(arg)
+        return fn(arg), None
     except ConfigError as e:
-        return "error", str(e)
+        return None, str(e)
 
 
 def _resume(run: _Run) -> tuple[str | None, list[str]]:
@@ -308,10 +309,9 @@ def _resume(run: _Run) -> tuple[str | None, list[str]]:
     path = cfg.resume_from
     if path is not None:  # checked (and a run folder resolved) on rank 0; every rank hears why
         checked = _try(check_resume_from, path) if dist.get_rank() == 0 else None
-        kind, value = _broadcast(checked)
-        if kind == "error":
-            raise ConfigError(value)
-        path = value
+        path, error = _broadcast(checked)
+        if error is not None:
+            raise ConfigError(error)
     else:
         found = ckpt.latest() if dist.get_rank() == 0 else None
         path = _broadcast(str(found.url) if found is not None else None)

@@ -120,11 +120,11 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
     """
     if mode == "none":
         return
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+    from ckptool.train.torch_private import checkpoint_wrapped
 
     step = 1 if mode == "every" else 2
     for i in range(0, len(model.blocks), step):
-        model.blocks[i] = checkpoint_wrapper(model.blocks[i], checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+        model.blocks[i] = checkpoint_wrapped(model.blocks[i])
 
 
 def shard_model(model: nn.Module, mesh: DeviceMesh, *, sharding: str = "full", precision: str = "fp32",
