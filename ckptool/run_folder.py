@@ -1,25 +1,26 @@
 """A run folder's checkpoints: which exist, which resume, which retention deletes, and deleting
 them without ever leaving a broken checkpoint that looks committed.
 
-Used by ``Checkpointer`` (``checkpoint.py``), ``ckptool train``'s checks before launch and the
+Used by ``Checkpointer`` (``ckptool.checkpoint``), ``ckptool train``'s checks before launch and the
 crash benchmark. Only DCP ``step_N`` folders count: a step folder of safetensors (an HF-format
 export) is never resumed from nor deleted.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-import shutil
 import uuid
-from pathlib import Path
 from typing import Any
 
 from ckptool.errors import CkptError
 from ckptool.format import checkpoint_dirs as layout
-from ckptool.storage import Storage, is_url
+from ckptool.storage import Storage
+
+logger = logging.getLogger(__name__)
 
 
-def latest_valid(run: str | os.PathLike[str]) -> layout.CheckpointDir | None:
+def latest_valid(run: Storage | str | os.PathLike[str]) -> layout.CheckpointDir | None:
     """The newest ``step_N`` checkpoint in ``run`` that is committed and passes ``validate``."""
     from ckptool.ops.validate import validate
 
@@ -29,23 +30,17 @@ def latest_valid(run: str | os.PathLike[str]) -> layout.CheckpointDir | None:
     return None
 
 
-def step_checkpoints(run: str | os.PathLike[str]) -> list[layout.CheckpointDir]:
+def step_checkpoints(run: Storage | str | os.PathLike[str]) -> list[layout.CheckpointDir]:
     """``step_N`` folders in ``run`` (committed or not), oldest first; [] if ``run`` is missing.
 
     ``run`` may be a local folder or an fsspec URL (listed fresh, never from fsspec's cache)."""
-    if is_url(run):
-        storage = Storage.open(run)
-        if not storage.isdir():
-            return []
-        found = layout.list_checkpoints(storage)
-    elif not os.path.isdir(run):
+    storage = run if isinstance(run, Storage) else Storage.open(run)
+    if not storage.isdir():
         return []
-    else:
-        found = layout.list_checkpoints(run)
     # Only DCP folders: a step folder of safetensors (an HF-format export) is neither resumed
     # from nor deleted by retention.
-    return [c for c in found if c.step is not None and c.name == f"step_{c.step}"
-            and c.kind == "dcp"]
+    return [c for c in layout.list_checkpoints(storage)
+            if c.step is not None and c.name == f"step_{c.step}" and c.kind == "dcp"]
 
 
 def retention_victims(found: list[layout.CheckpointDir], keep: int, *,
@@ -71,52 +66,62 @@ def retention_victims(found: list[layout.CheckpointDir], keep: int, *,
             or (not c.committed and c.step < newest and c.step != inflight)]
 
 
-def remove_remote(root: str, name: str) -> None:
+def retain(run: Storage, keep: int, *, inflight: int | None = None) -> list[layout.CheckpointDir]:
+    """Apply ``retention_victims`` to ``run``: remove each victim with ``remove_checkpoint``,
+    then the hidden leftovers of a removal a crash cut short. Returns the removed checkpoints.
+
+    Called by one process only (``Checkpointer``: rank 0, after a save committed).
+    """
+    victims = retention_victims(step_checkpoints(run), keep, inflight=inflight)
+    for c in victims:
+        logger.info("retention: removing %s", c.url)
+        remove_checkpoint(run, c.name)
+    for leftover in deleting_leftovers(run):
+        run.remove_tree(leftover)
+    return victims
+
+
+def remove_checkpoint(run: Storage, name: str) -> None:
+    """Remove the checkpoint folder ``run/name`` so that no crash part-way leaves a broken
+    checkpoint that looks committed.
+
+    Where a folder renames atomically (local disks) it is first renamed to a hidden
+    ``.name.deleting-*`` (``layout.list_checkpoints`` skips hidden folders, so it vanishes at
+    once); elsewhere (object stores) its ``.metadata`` goes first (``remove_remote``).
+    """
+    if not run.atomic_rename:
+        remove_remote(run, name)
+        return
+    hidden = f".{name}.deleting-{uuid.uuid4().hex[:8]}"
+    try:
+        run.rename(name, hidden)
+    except FileNotFoundError:
+        return
+    run.remove_tree(hidden)
+
+
+def remove_remote(root: Storage | str, name: str) -> None:
     """Remove the remote folder ``root/name``, ``.metadata`` first.
 
     An object store cannot rename a folder atomically (s3fs copies and deletes each object),
-    so ``remove_local``'s trick does not carry over. Deleting ``.metadata`` first makes the folder
-    uncommitted at once: a crash part-way leaves a torn folder, which resume skips and the
-    next retention pass removes, never a "committed" one with files missing.
+    so the rename of ``remove_checkpoint`` does not carry over. Deleting ``.metadata`` first
+    makes the folder uncommitted at once: a crash part-way leaves a torn folder, which resume
+    skips and the next retention pass removes, never a "committed" one with files missing.
     """
-    storage = Storage.open(root).child(name)
+    storage = (root if isinstance(root, Storage) else Storage.open(root)).child(name)
     storage.remove_tree(layout.METADATA)  # removes a single file too
     storage.remove_tree()
 
 
-def remove_local(root: Path, name: str) -> None:
-    """Remove the folder ``root/name``, first renaming it to a hidden ``.name.deleting-*``.
-
-    A crash in the middle of ``rmtree`` could otherwise leave ``.metadata`` beside a missing
-    ``.distcp`` file: a committed checkpoint that fails validation. The rename is atomic, and
-    ``layout.list_checkpoints`` skips hidden folders, so the checkpoint vanishes at once.
-    """
-    hidden = root / f".{name}.deleting-{uuid.uuid4().hex[:8]}"
-    try:
-        os.replace(root / name, hidden)
-    except FileNotFoundError:
-        return
-    shutil.rmtree(hidden, ignore_errors=True)
-
-
-def deleting_leftovers(root: Path) -> list[str]:
-    try:
-        return [n for n in os.listdir(root) if n.startswith(".step_") and ".deleting-" in n]
-    except OSError:
+def deleting_leftovers(run: Storage) -> list[str]:
+    """Hidden ``.step_N.deleting-*`` folders a local removal left behind when it crashed
+    (none where removal renames nothing)."""
+    if not run.atomic_rename:
         return []
-
-
-def fsync_dir(path: Path) -> None:
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some file systems cannot fsync a folder; the files themselves were synced
-    finally:
-        os.close(fd)
+        return [e.name for e in run.listdir() if e.name.startswith(".step_") and ".deleting-" in e.name]
+    except (CkptError, OSError):
+        return []
 
 
 def validation_problem(path: str | os.PathLike[str]) -> tuple[str | None, Any]:
