@@ -2,14 +2,17 @@
 
 Reading a file with ``pread`` copies every byte from the page cache into a new buffer; a
 mapping lets CRC-32 read the cached pages themselves (``validate --deep`` on a warm cache is
-then bound by the CRC, not by the copy). Remote files, empty files and systems without
-``mmap`` get None from ``MappedFile.open`` and are read as before.
+then bound by the CRC, not by the copy). Bytes not in the page cache are faster to ``pread``
+(large requests) than to fault in page by page, so ``resident`` tells which is which. Remote
+files, empty files and systems without ``mmap`` get None from ``MappedFile.open``.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+
+_NOWAIT = getattr(os, "RWF_NOWAIT", None)
 
 
 class MappedFile:
@@ -19,37 +22,45 @@ class MappedFile:
     ``close``. The file must not shrink while mapped (reading past its new end is SIGBUS).
     """
 
-    def __init__(self, mapping: mmap.mmap) -> None:
+    def __init__(self, mapping: mmap.mmap, fd: int) -> None:
         self._map = mapping
         self._view = memoryview(mapping)
+        self._fd = fd
+        self._probe = bytearray(1)
         self.size = len(mapping)
 
     @classmethod
     def open(cls, fd: int | None) -> MappedFile | None:
-        """Map the open file ``fd``; None when it cannot be mapped (no fd, empty, no mmap)."""
-        if fd is None or not hasattr(mmap, "MADV_SEQUENTIAL"):
+        """Map the open file ``fd`` (which must stay open until ``close``); None when it cannot
+        be mapped (no fd, empty, no mmap)."""
+        if fd is None:
             return None
         try:
             size = os.fstat(fd).st_size
             if size == 0:
                 return None
-            mapping = mmap.mmap(fd, size, prot=mmap.PROT_READ)
-        except (OSError, ValueError, OverflowError):
+            return cls(mmap.mmap(fd, size, prot=mmap.PROT_READ), fd)
+        except (OSError, ValueError, OverflowError, TypeError, AttributeError):
             return None
-        mapping.madvise(mmap.MADV_SEQUENTIAL)
-        return cls(mapping)
 
     def view(self, offset: int, length: int) -> memoryview:
         """The bytes ``[offset, offset + length)``, shorter if the file ends first."""
         return self._view[offset:offset + length]
 
-    def prefetch(self, offset: int, length: int) -> None:
-        """Start reading a range into the page cache (``MADV_WILLNEED``) and return: the
-        next window of a record is read from disk while this one is checksummed."""
-        start = offset - offset % mmap.PAGESIZE
-        length = min(length + offset - start, self.size - start)
-        if length > 0:
-            self._map.madvise(mmap.MADV_WILLNEED, start, length)
+    def resident(self, offset: int, length: int) -> bool:
+        """Are the range's first, middle and last bytes in the page cache? (A read that may not
+        wait: ``RWF_NOWAIT``.) True where the system cannot tell."""
+        if _NOWAIT is None or length <= 0:
+            return True
+        for at in (offset, offset + length // 2, offset + length - 1):
+            try:
+                if os.preadv(self._fd, [self._probe], at, _NOWAIT) != 1:
+                    return False
+            except BlockingIOError:
+                return False
+            except OSError:  # flag not supported here
+                return True
+        return True
 
     def close(self) -> None:
         self._view.release()

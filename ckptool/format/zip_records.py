@@ -29,10 +29,9 @@ _EOCD64 = b"PK\x06\x06"
 _CDIR = b"PK\x01\x02"
 _LOCAL = b"PK\x03\x04"
 _MAX_PKL = 64 << 20  # data.pkl of a tensor is ~200 bytes; of an object, small
-#: Entries in memory are checksummed in windows of this size, each announced to ``prefetch``
-#: (the page cache reads the next window while this one is summed).
+#: Entries in memory are checksummed in windows of this size, each one in place if the page
+#: cache holds it, else read.
 CRC_WINDOW = 64 << 20
-PREFETCH_MIN = 1 << 20  # smaller windows are not worth a system call
 
 
 @dataclass(frozen=True)
@@ -53,7 +52,7 @@ class ZipRecord:
 
     def __init__(self, reader: RangeReader, ref: StorageRef, where: str, *,
                  preload: int = 64 << 10, view: memoryview | None = None,
-                 prefetch: Callable[[int, int], None] | None = None) -> None:
+                 resident: Callable[[int, int], bool] | None = None) -> None:
         """Parse the record's zip directory.
 
         Args:
@@ -63,14 +62,15 @@ class ZipRecord:
             preload: records up to this size are read in one call and parsed from memory.
             view: the record's bytes, already in memory (e.g. a slice of the mapped file):
                 nothing is read through ``reader`` and nothing is copied.
-            prefetch: with ``view``, called as ``prefetch(offset, length)`` (absolute file
-                offsets) before each window of data is checksummed (e.g. ``madvise``).
+            resident: with ``view``, ``resident(offset, length)`` (absolute file offsets) tells
+                whether a window of data is in the page cache; one that is not is read through
+                ``reader`` instead (large reads beat page faults on a cold cache).
         """
         self.reader = reader
         self.ref = ref
         self.where = where
         self._buf: bytes | memoryview | None = view
-        self._prefetch = prefetch
+        self._resident = resident
         self._offsets: dict[str, int] = {}
         if view is None and ref.length <= preload:
             self._buf = reader.pread(ref.offset, ref.length)
@@ -248,24 +248,26 @@ class ZipRecord:
                                 f"computed {crc:08x}): the bytes are damaged", ChecksumError)
 
     def _entry_crc(self, e: ZipEntry) -> int:
-        """CRC-32 of an entry's data: from memory without copies, else read in blocks."""
-        pos, left, crc = self.data_offset(e), e.size, 0
-        if self._buf is not None:
-            rel = pos - self.ref.offset
-            end = rel + left
-            with memoryview(self._buf) as view:
-                for at in range(rel, end, CRC_WINDOW):
-                    if self._prefetch is not None:  # this window (the first time) and the next
-                        ahead = at if at == rel else at + CRC_WINDOW
-                        n = min(at + 2 * CRC_WINDOW, end) - ahead
-                        if n >= PREFETCH_MIN:
-                            self._prefetch(self.ref.offset + ahead, n)
-                    crc = crc32(view[at:min(at + CRC_WINDOW, end)], crc)
-            return crc
+        """CRC-32 of an entry's data: in place where it is in memory, else read in blocks."""
+        pos, crc = self.data_offset(e), 0
+        if self._buf is None:
+            return self._read_crc(pos, e.size, crc, e.name)
+        rel, end = pos - self.ref.offset, pos - self.ref.offset + e.size
+        with memoryview(self._buf) as view:
+            for at in range(rel, end, CRC_WINDOW):
+                n = min(CRC_WINDOW, end - at)
+                if self._resident is None or self._resident(self.ref.offset + at, n):
+                    crc = crc32(view[at:at + n], crc)
+                else:
+                    crc = self._read_crc(self.ref.offset + at, n, crc, e.name)
+        return crc
+
+    def _read_crc(self, pos: int, left: int, crc: int, name: str) -> int:
+        """Continue ``crc`` over ``left`` bytes of the file at ``pos``, read in blocks."""
         while left:
             b = self.reader.pread(pos, min(left, BLOCK))
             if not b:
-                raise self._bad(f"entry {e.name} is cut short (file truncated)")
+                raise self._bad(f"entry {name} is cut short (file truncated)")
             crc = crc32(b, crc)
             pos += len(b)
             left -= len(b)

@@ -119,7 +119,7 @@ class DeepCheck:
                 self._compare_location(tpl.loc, fqn, ref, where)
                 return
         rec = RecordReader(reader, ref, where, preload=DEEP_PRELOAD, view=view,
-                           prefetch=mapped.prefetch if mapped is not None else None)
+                           resident=mapped.resident if mapped is not None else None)
         loc = None
         if fqn in self.meta.objects:
             rec.load_object()
