@@ -3,9 +3,13 @@
 ``write_rank_files`` is the one output writer of ``reshard`` and ``import``: rank ``r``'s items
 go to ``__r_0.distcp`` in order, each item written by the op's own ``write_item`` (which knows
 where its bytes come from); every finished file is fsynced by one flusher thread while the
-next ones are written. ``write_tensor`` writes one tensor record whose data arrives in
-pieces, computing the record's CRC-32 on the way (and each piece's, for callers that prove
-their source's checksums with them). Torch-free.
+next ones are written. With ``check``, each record is read back right after it is written,
+while the page cache still holds it: it must parse, hold the dtype and shape planned (or a
+value), and every entry's CRC-32 must match the bytes in the file (what ``validate --deep``
+checks of a record), so verification overlaps the copy instead of re-reading the output.
+``write_tensor`` writes one tensor record whose data arrives in pieces, computing the record's
+CRC-32 on the way (and each piece's, for callers that prove their source's checksums with
+them). Torch-free.
 """
 
 from __future__ import annotations
@@ -13,21 +17,38 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from ckptool.errors import ConfigError
-from ckptool.format.copy_engine import Ticker, fsync_file, run_jobs
+from ckptool.errors import CkptError, ConfigError
+from ckptool.format.copy_engine import Ticker, fsync_file, run_jobs, unverified
 from ckptool.format.crc import crc32, crc32_combine
 from ckptool.format.dcp_writer import DistcpFile, TensorRecord
 from ckptool.format.dtypes import DType
 from ckptool.format.metadata import METADATA, StorageRef
-from ckptool.storage import BLOCK
+from ckptool.format.torch_records import RecordReader
+from ckptool.storage import BLOCK, RangeReader, Storage
 
 Item = TypeVar("Item")
 #: ``write_item(file, item, buf)`` appends one item's record; ``buf`` is the worker's block buffer.
 ItemWriter = Callable[[DistcpFile, Item, bytearray], None]
+#: What a record must hold: (dtype, shape) of a tensor, None for a non-tensor value.
+Expected = tuple[DType, tuple[int, ...]] | None
+#: Records up to this size are read back in one call.
+_PRELOAD = 1 << 20
+
+
+@dataclass(frozen=True)
+class FileRange:
+    """A piece of tensor data that is ``length`` bytes at ``offset`` of the open local file
+    ``fd`` (copied in the kernel by ``write_tensor``); ``where`` names the file for errors."""
+
+    fd: int
+    offset: int
+    length: int
+    where: str
 
 
 @dataclass(frozen=True)
@@ -59,7 +80,8 @@ def rank_file_name(rank: int) -> str:
 
 
 def write_rank_files(folder: Path, ranks: list[list[Item]], write_item: ItemWriter, *,
-                     ticker: Ticker, workers: int) -> list[WrittenFile[Item]]:
+                     ticker: Ticker, workers: int,
+                     check: Callable[[Item], Expected] | None = None) -> list[WrittenFile[Item]]:
     """Write ``folder/__r_0.distcp`` holding ``ranks[r]``'s items, for every rank.
 
     Args:
@@ -68,15 +90,20 @@ def write_rank_files(folder: Path, ranks: list[list[Item]], write_item: ItemWrit
         write_item: appends one item's record to the open file.
         ticker: progress and the abort flag shared with ``write_item``.
         workers: files written at once (each with one ``BLOCK`` buffer).
+        check: if given, read every record back after writing it; ``check(item)`` says what
+            it must hold.
 
     Returns:
         One ``WrittenFile`` per rank, in rank order; every file is fsynced.
+
+    Raises:
+        CorruptCheckpointError: a record read back differs from what was written (``check``).
     """
     with ThreadPoolExecutor(1) as flusher:  # fsync finished files while the next ones copy
         flushed: list[Future] = []
 
         def one(rank: int) -> WrittenFile[Item]:
-            done = _write_file(folder / rank_file_name(rank), ranks[rank], write_item)
+            done = _write_file(folder / rank_file_name(rank), ranks[rank], write_item, check)
             flushed.append(flusher.submit(fsync_file, folder / done.name))
             return done
 
@@ -86,28 +113,87 @@ def write_rank_files(folder: Path, ranks: list[list[Item]], write_item: ItemWrit
     return results
 
 
-def _write_file(path: Path, items: list[Item], write_item: ItemWriter) -> WrittenFile[Item]:
+def _write_file(path: Path, items: list[Item], write_item: ItemWriter,
+                check: Callable[[Item], Expected] | None) -> WrittenFile[Item]:
     placed = []
     buf = bytearray(BLOCK)
-    with DistcpFile(path) as f:
+    with DistcpFile(path) as f, ExitStack() as stack:
+        back = stack.enter_context(Storage.open(path.parent).reader(f.name)) if check else None
         for item in items:
             start = f.size
             write_item(f, item, buf)
-            placed.append((item, StorageRef(f.name, start, f.size - start)))
+            ref = StorageRef(f.name, start, f.size - start)
+            if back is not None:
+                check_record(back, ref, check(item), buf)  # type: ignore[misc]
+            placed.append((item, ref))
         f.close(sync=False)
     return WrittenFile(f.name, f.size, f.digest, placed)
 
 
+def check_record(reader: RangeReader, ref: StorageRef, expected: Expected,
+                 buf: bytearray) -> None:
+    """Read one record back: it parses, holds ``expected`` and every entry's CRC-32 matches.
+
+    Args:
+        reader: the output file, open for reading.
+        ref: where the record lies in it.
+        expected: (dtype, shape) of the tensor it must hold; None for a non-tensor value.
+        buf: a reused block buffer (the data is read into it, nothing else is allocated).
+
+    Raises:
+        CorruptCheckpointError: "verification failed, nothing was committed: ..." naming the
+            file and the problem.
+    """
+    where = f"{reader.storage.url_of(ref.relative_path)} (record at byte {ref.offset})"
+    problem = None
+    try:
+        rec = RecordReader(reader, ref, where, preload=_PRELOAD)
+        if expected is None:
+            rec.load_object()
+        else:
+            loc = rec.tensor()
+            if (loc.dtype, loc.shape) != expected:
+                problem = (f"{where} holds {loc.dtype} {list(loc.shape)}, written as {expected[0]} "
+                           f"{list(expected[1])}")
+        rec.verify_structure()
+        for e in rec.entries.values():
+            crc = _crc_at(reader, rec.data_offset(e), e.size, buf)
+            if crc != e.crc:
+                got = "past the end of the file" if crc is None else f"{crc:08x}"
+                problem = f"{where}: CRC-32 mismatch in {e.name} (stored {e.crc:08x}, read {got})"
+    except CkptError as e:
+        problem = str(e)
+    if problem is not None:
+        raise unverified(where, problem)
+
+
+def _crc_at(reader: RangeReader, pos: int, size: int, buf: bytearray) -> int | None:
+    """CRC-32 of ``size`` bytes at ``pos``, read into ``buf`` block by block; None if the
+    file ends before."""
+    crc, view, fd = 0, memoryview(buf), reader.fileno
+    while size:
+        want = min(size, len(buf))
+        data = (view[:os.preadv(fd, [view[:want]], pos)] if fd is not None
+                else reader.pread(pos, want))
+        if not data:
+            return None
+        crc = crc32(data, crc)
+        pos, size = pos + len(data), size - len(data)
+    return crc
+
+
 def write_tensor(f: DistcpFile, dtype: DType, sizes: tuple[int, ...],
-                 pieces: Iterable[Iterable[Any]], tick: Callable[[int], None]
-                 ) -> list[tuple[int, int]]:
+                 pieces: Iterable[FileRange | Iterable[Any]], tick: Callable[[int], None],
+                 buf: bytearray) -> list[tuple[int, int]]:
     """Append the ``torch.save`` record of a tensor whose row-major data comes in ``pieces``.
 
     Args:
         f: the open output file.
         dtype, sizes: the record's element type and shape.
-        pieces: the data, each piece an iterable of buffers (e.g. blocks of one source range).
-        tick: called with each buffer's length after it is written (progress, abort).
+        pieces: the data, each piece a ``FileRange`` (copied in the kernel, then read back
+            from ``f`` for its CRC-32) or an iterable of buffers (e.g. casts of source blocks).
+        tick: called with each block's length after it is written (progress, abort).
+        buf: the worker's block buffer (for ``FileRange`` pieces).
 
     Returns:
         ``(crc32, length)`` of every piece, in order; the record's CRC-32 is their combination.
@@ -117,9 +203,13 @@ def write_tensor(f: DistcpFile, dtype: DType, sizes: tuple[int, ...],
     crc, parts = 0, []
     for piece in pieces:
         part = length = 0
-        for data in piece:
+        copied = isinstance(piece, FileRange)
+        blocks = (f.copy_range(piece.fd, piece.offset, piece.length, buf, piece.where)
+                  if isinstance(piece, FileRange) else piece)
+        for data in blocks:
             part = crc32(data, part)
-            f.write(data)
+            if not copied:
+                f.write(data)
             length += len(data)
             tick(len(data))
             del data  # before the next block is made (a cast allocates)

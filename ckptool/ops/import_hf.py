@@ -27,16 +27,17 @@ import shutil
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Self
+from typing import Any, Self
 
 from ckptool._version import __version__
 from ckptool.errors import ConfigError, CorruptCheckpointError, IncompatibleCheckpointError
 from ckptool.format import manifest as mf
 from ckptool.format.crc import crc32_combine
-from ckptool.format.dcp_output import (WrittenFile, check_world_size, file_sizes, local_workers,
-                                       write_rank_files, write_tensor)
+from ckptool.format.dcp_output import (Expected, FileRange, WrittenFile, check_world_size,
+                                       file_sizes, local_workers, write_rank_files, write_tensor)
 from ckptool.format.dcp_writer import V2_DTYPES, DistcpFile, write_metadata
 from ckptool.format.fsdp_layout import fsdp_chunks
 from ckptool.format.dtypes import DTYPES, DType
@@ -163,7 +164,7 @@ def _write_output(tmp: Path, source: HFSource, plan: list[_Out],
     ticker = Ticker(progress, sum(o.src.nbytes for o in plan))
     with _Copier(ticker, {o.src.path for o in plan}) as copier:
         written = write_rank_files(tmp, ranks, copier.write_item, ticker=ticker,
-                                   workers=local_workers())
+                                   workers=local_workers(), check=_expected if verify else None)
     files = {w.name: (w.size, w.digest) for w in written}
     files.update(_copy_assets(source, tmp))
     write_metadata(tmp, _metadata(plan, written), checkpoint_id=str(out))
@@ -254,6 +255,11 @@ def _plan_ranks(plan: list[_Out], world_size: int) -> list[list[tuple[_Out, Chun
     return ranks
 
 
+def _expected(item: tuple[_Out, Chunk]) -> Expected:
+    """What a chunk's record must hold when read back."""
+    return item[0].dtype, item[1].sizes
+
+
 def _metadata(plan: list[_Out], written: list[WrittenFile[tuple[_Out, Chunk]]]
               ) -> CheckpointMetadata:
     chunks: dict[str, list[Chunk]] = defaultdict(list)
@@ -295,13 +301,15 @@ class _Copier:
         row = t.nbytes // t.shape[0] if t.shape else t.nbytes
         lo = chunk.offsets[0] if chunk.offsets else 0
         length = (chunk.sizes[0] if chunk.sizes else 1) * row
-        # A cast allocates a few times its output: cast 2 MiB at a time, copy 8 MiB.
-        view = memoryview(buf)[:_CAST_BLOCK] if t.dtype != o.dtype else memoryview(buf)
-        blocks = (cast_bytes(data, t.dtype, o.dtype)
-                  for data in _read(self.fds[t.path], t.offset + lo * row, length, view, t.path))
+        start = t.offset + lo * row
+        if t.dtype == o.dtype:
+            piece: FileRange | Iterable[Any] = FileRange(self.fds[t.path], start, length, t.path)
+        else:  # a cast allocates a few times its output: cast 2 MiB at a time
+            piece = (cast_bytes(data, t.dtype, o.dtype) for data in
+                     _read(self.fds[t.path], start, length, memoryview(buf)[:_CAST_BLOCK], t.path))
         ratio = (t.dtype.itemsize, o.dtype.itemsize)
-        [(crc, _)] = write_tensor(f, o.dtype, chunk.sizes, [blocks],
-                                  lambda n: self.ticker.add(n * ratio[0] // ratio[1]))
+        [(crc, _)] = write_tensor(f, o.dtype, chunk.sizes, [piece],
+                                  lambda n: self.ticker.add(n * ratio[0] // ratio[1]), buf)
         self.crcs[(o.fqn, lo)] = crc
 
 
@@ -340,11 +348,12 @@ def _copy_assets(source: HFSource, tmp: Path) -> dict[str, tuple[int, str]]:
 
 
 def _verify(folder: Path, plan: list[_Out], crcs: dict[tuple[str, int], int]) -> None:
-    """Deep-validate the output; then every tensor's row-major CRC-32, from its verified
+    """Validate the output (its records were deep-checked as they were written: parsed, dtype
+    and shape, CRC-32 of every entry); then every tensor's row-major CRC-32, from its verified
     records, must equal the CRC-32 of the (cast) source rows computed while copying."""
     from ckptool.ops.validate import validate
 
-    report = validate(str(folder), deep=True)
+    report = validate(str(folder))
     if not report.ok:
         raise unverified(str(folder), report.errors[0].message)
     meta = report.metadata[""]
