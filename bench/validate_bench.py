@@ -1,11 +1,18 @@
-"""Benchmark ``ckptool validate`` on a synthetic checkpoint of 10,000 tensors in 64 files.
+"""Benchmark ``ckptool validate``: many small tensors, or an existing (large) checkpoint.
 
-Targets (issue 2): structural validate < 0.3 s of work; ``--deep`` at >= 0.8x the speed of
-``cat`` over the same files. Both are measured in the same run, warm and cold page cache
+Default mode: a synthetic checkpoint of 10,000 tensors in 64 files. Targets (issue 2):
+structural validate < 0.3 s of work; ``--deep`` at >= 0.8x the speed of ``cat`` over the same
+files. Both are measured in the same run, warm and cold page cache
 (``echo 3 > /proc/sys/vm/drop_caches``, root only), 3 runs each; min/median/max reported.
+
+Folder mode (issue 15): given an existing checkpoint folder (e.g. 2.2 GB, 8 ranks, made by
+``bench/gen_checkpoint.py``), the whole commands ``cat FILES > /dev/null`` and
+``ckptool validate --deep FOLDER`` run as subprocesses, alternating, warm then cold cache;
+median wall time of ``--runs`` each. Target: ``--deep`` >= 0.8x the speed of ``cat`` warm.
 
 Usage:
     python bench/validate_bench.py [--dir /tmp/ckptool-bench-validate] [--mb 1024] [--runs 3]
+    python bench/validate_bench.py /tmp/bench15/step_1000 --runs 5 [--markdown docs/BENCHMARKS.md]
 """
 
 from __future__ import annotations
@@ -19,7 +26,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import drop_caches  # noqa: E402
+from _common import drop_caches, run_once, write_section  # noqa: E402
+
+SECTION = "## validate --deep on a large checkpoint"
 
 
 def make_checkpoint(path: Path, n_tensors: int, files: int, total_mb: int) -> None:
@@ -63,12 +72,22 @@ def stats(xs: list[float]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("checkpoint", nargs="?", type=Path,
+                    help="an existing checkpoint folder: compare 'ckptool validate --deep' with cat")
+    ap.add_argument("--markdown", type=Path,
+                    help="with a checkpoint folder: write the table into this file's section")
     ap.add_argument("--dir", default="/tmp/ckptool-bench-validate")
     ap.add_argument("--mb", type=int, default=1024, help="total tensor data in MiB")
     ap.add_argument("--tensors", type=int, default=10_000)
     ap.add_argument("--files", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args()
+    if args.checkpoint is not None:
+        text = folder_bench(args.checkpoint, args.runs)
+        print(text)
+        if args.markdown:
+            write_section(args.markdown, SECTION, text)
+        return
     ckpt = Path(args.dir) / f"t{args.tensors}-f{args.files}-{args.mb}mb"
     make_checkpoint(ckpt, args.tensors, args.files, args.mb)
     size = sum(p.stat().st_size for p in ckpt.iterdir())
@@ -112,6 +131,45 @@ def main() -> None:
         if c and d:
             ratio = statistics.median(c[0][1]) / statistics.median(d[0][1])
             print(f"\n--deep speed / cat speed ({cache}): {ratio:.2f}x (target >= 0.8x)")
+
+
+def folder_bench(folder: Path, runs: int) -> str:
+    """``cat`` vs ``ckptool validate --deep`` on ``folder``, alternating; a markdown section."""
+    files = sorted(str(p) for p in folder.rglob("*") if p.is_file())
+    size = sum(Path(f).stat().st_size for f in files)
+    script = Path(sys.executable).with_name("ckptool")
+    tool = [str(script)] if script.exists() else [sys.executable, "-m", "ckptool"]
+    cmds = {"cat": ["cat", *files], "ckptool validate --deep": [*tool, "validate", "--deep",
+                                                                 str(folder)]}
+    walls: dict[tuple[str, str], list[float]] = {}
+    run_once(cmds["cat"])  # fill the page cache
+    for cache in ("warm", "cold"):
+        if cache == "cold" and not drop_caches():
+            break  # not root: warm only
+        for i in range(runs):
+            for name, cmd in cmds.items():
+                if cache == "cold":
+                    drop_caches()
+                wall = run_once(cmd)["wall"]
+                walls.setdefault((name, cache), []).append(wall)
+                print(f"run {i + 1} {cache} {name}: {wall:.3f} s", file=sys.stderr, flush=True)
+    lines = [f"Checkpoint `{folder}`: {len(files)} files, {size / 2**30:.2f} GiB; "
+             f"{os.cpu_count()} cores; load average {os.getloadavg()[1]:.1f}; {runs} runs each, "
+             "alternating, wall time of the whole command.", "",
+             "| what | cache | seconds min / median / max | throughput (median) |",
+             "|---|---|---|---|"]
+    for (name, cache), xs in walls.items():
+        lines.append(f"| `{name}` | {cache} | {stats(xs)} | "
+                     f"{size / statistics.median(xs) / 2**20:.0f} MiB/s |")
+    lines.append("")
+    for cache in ("warm", "cold"):
+        if ("cat", cache) in walls:
+            ratio = (statistics.median(walls[("cat", cache)])
+                     / statistics.median(walls[("ckptool validate --deep", cache)]))
+            target = " (target >= 0.8x cat warm)" if cache == "warm" else ""
+            lines.append(f"- `--deep` speed / `cat` speed, {cache} cache: {ratio:.2f}x{target}")
+    lines += ["", f"Command: `python bench/validate_bench.py {folder} --runs {runs}`."]
+    return "\n".join(lines) + "\n"
 
 
 def _ok(report) -> None:

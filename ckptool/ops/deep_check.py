@@ -21,15 +21,14 @@ from ckptool.errors import (
     UnsafeInputError,
 )
 from ckptool.format import manifest as mf
-from ckptool.format import safetensors_source as sts
 from ckptool.format.mapped_file import MappedFile
 from ckptool.format.metadata import StorageRef, TensorEntry
-from ckptool.format.reader import CheckpointReader
 from ckptool.format.torch_records import RecordReader, RecordTemplate, TensorLocation
 from ckptool.ops.validate_report import Finding, Severity
 from ckptool.storage import BLOCK, RangeReader
 
 if TYPE_CHECKING:
+    from ckptool.format.reader import CheckpointReader
     from ckptool.ops.validate import _PartCheck
 
 #: --deep reads records up to this size in one call (fewer syscalls for many small tensors).
@@ -175,6 +174,9 @@ class DeepCheck:
 
     def _copy(self) -> list[Finding]:
         """The consolidated copy beside ``sharded/`` must hold the bytes of the saved shards."""
+        from ckptool.format import safetensors_source as sts
+        from ckptool.format.reader import CheckpointReader
+
         found = self.part.found
         assert found is not None
         copy, out = sts.read_copy(self.st, found), []

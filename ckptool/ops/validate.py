@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ckptool.errors import (
     CheckpointNotFoundError,
@@ -25,13 +26,15 @@ from ckptool.errors import (
     UnsafeInputError,
 )
 from ckptool.format import manifest as mf
-from ckptool.format import safetensors_source as sts
 from ckptool.format.checkpoint_dirs import CheckpointDir, resolve_checkpoint
 from ckptool.format.metadata import CheckpointMetadata, StorageRef, read_metadata
 from ckptool.ops.chunk_geometry import check_geometry
 from ckptool.ops.deep_check import DeepCheck
 from ckptool.ops.validate_report import Finding, Report, Severity
 from ckptool.storage import Storage
+
+if TYPE_CHECKING:
+    from ckptool.format import safetensors_source as sts
 
 __all__ = ["Finding", "Report", "Severity", "require_valid", "validate"]
 
@@ -135,6 +138,8 @@ class _PartCheck:
         self.nfiles = len(self.sizes)
         found = None
         if ".metadata" not in self.sizes and not any(e.name == ".metadata" for e in entries):
+            from ckptool.format import safetensors_source as sts
+
             found = sts.find_layout(self.st, entries)
         if found is not None:
             self._read_safetensors(found)
@@ -171,6 +176,8 @@ class _PartCheck:
 
     def _read_safetensors(self, found: sts.Found) -> None:
         """The index of a safetensors checkpoint, or its first problem as a finding."""
+        from ckptool.format import safetensors_source as sts
+
         self.found = found
         try:
             self.meta = sts.read_index(self.st, found)
