@@ -9,12 +9,14 @@ transformers ``from_pretrained`` on rank 0 (fp32), a meta-device model on the ot
 
 Same rules as ``bench/reshard_bench.py``: every run a fresh subprocess, wall time from the
 parent's clock ("wall + sync" adds an ``os.sync()``), peak RSS from ``os.wait4`` (the largest
-process; for the multi-rank route the sum over ranks too), tools interleaved, page cache
-dropped before every run when allowed (root), 1-minute load average recorded.
+process; for the multi-rank route the sum over ranks too), ``--cache both`` (the default):
+page cache dropped before every run (root) and source cached, runs interleaved across tools
+and modes (``bench/_runs.py``), medians of ``--runs`` (default 5) against issue 15's targets,
+1-minute load average recorded.
 
 Usage:
     python bench/import_bench.py --gen /tmp/impbench/bf16 --dtype bfloat16 --layers 22
-    python bench/import_bench.py /tmp/impbench/bf16 --to 8 --runs 3 --markdown docs/BENCHMARKS.md
+    python bench/import_bench.py /tmp/impbench/bf16 --to 8 --markdown docs/BENCHMARKS.md
 """
 
 from __future__ import annotations
@@ -23,14 +25,13 @@ import argparse
 import json
 import os
 import platform
-import shutil
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import (check, drop_caches, fmt, mem_gib, record_rss, run_once,  # noqa: E402
-                     spawn_ranks, tool_table, write_section)
+from _common import fmt, mem_gib, record_rss, spawn_ranks, tool_table, write_section  # noqa: E402
+from _runs import (CACHE_CHOICES, Results, measure, medians, mode_label,  # noqa: E402
+                   modes_of, targets)
 
 SECTION = "## import"
 SHAPES = {"hidden": 2048, "ff": 5632, "heads": 32, "kv_heads": 4, "vocab": 32000}
@@ -160,42 +161,34 @@ def describe(src: Path) -> dict[str, object]:
             "disk_bytes": sum(e.stat().st_size for e in os.scandir(src))}
 
 
-def render(results: dict[str, list[dict[str, float]]], info: dict) -> str:
+def render(results: Results, info: dict) -> str:
+    loads = [r["load"] for m in results.values() for v in m.values() for r in v]
     lines = [f"Source: Hugging Face folder (`bench/import_bench.py --gen`), {info['tensors']} "
              f"{'/'.join(info['dtypes'])} tensors in {info['files']} safetensors shards, "
              f"{info['bytes'] / 1e9:.2f} GB; imported for {info['to']} ranks (default: cast to "
              f"float32). Largest tensor: {info['largest'] / 2**20:.0f} MiB in the source, "
              f"{info['largest_fp32'] / 2**20:.0f} MiB as float32. Machine: {info['machine']}. "
-             f"Page cache: {info['cache']}. {info['runs']} runs per tool (the peers' way: "
-             f"{info['peer_runs']}), interleaved; "
-             "min / **median** / max. 1-minute load average before the runs (other jobs on the "
-             f"machine): {fmt([r['load'] for v in results.values() for r in v], 1)}.\n",
-             *tool_table(results)]
-    lines += ["", "Targets (medians):", ""] + targets(results, info)
-    lines += ["", f"Commands: `{info['gen']}` then `{info['bench']}`.", ""]
+             f"{info['runs']} runs per tool and page-cache mode (the peers' way: "
+             f"{info['peer_runs']}), interleaved across tools and modes; min / **median** / max. "
+             "1-minute load average before the runs (other jobs on the machine): "
+             f"{fmt(loads, 1)}. A cast to float32 writes more bytes than it reads; its ratio is "
+             "still against copying the source's bytes.\n"]
+    for mode, res in results.items():
+        lines += [f"Page cache: {mode_label(mode, info['dropped'])}.\n", *tool_table(res), "",
+                  "Targets (medians):", "", *targets(res, largest=info["largest"]),
+                  *peer_line(res, info), ""]
+    lines += [f"Commands: `{info['gen']}` then `{info['bench']}`.", ""]
     return "\n".join(lines)
 
 
-def targets(results: dict[str, list[dict[str, float]]], info: dict) -> list[str]:
-    med = {k: {m: statistics.median(r[m] for r in v) for m in ("wall", "wall_sync", "rss_mib")}
-           for k, v in results.items()}
-    cp, out = med.get("cp -r"), []
-    limit = info["largest"] / 2**20 + 64
-    for name, r in med.items():
-        if not name.startswith("ckptool"):
-            continue
-        out.append(check(f"`{name}`: peak RSS <= largest tensor + 64 MiB", r["rss_mib"], "<=",
-                         limit, f"{r['rss_mib']:.0f} MiB vs {limit:.0f} MiB"))
-        if cp:
-            x = r["wall_sync"] / cp["wall_sync"]
-            out.append(check(f"`{name}`: wall + sync <= 1.25x `cp -r` + sync", x, "<=", 1.25,
-                             f"{x:.2f}x"))
+def peer_line(results: dict[str, list[dict[str, float]]], info: dict) -> list[str]:
+    med = medians(results)
     peer = next((v for k, v in med.items() if k.startswith("from_pretrained")), None)
     main = med.get(f"ckptool import --ranks {info['to']}")
-    if peer and main:
-        out.append(f"- the peers' way vs `ckptool import`: {peer['wall_sync'] / main['wall_sync']:.1f}x "
-                   "the wall + sync time (for information; no target)")
-    return out
+    if not (peer and main):
+        return []
+    return [f"- the peers' way vs `ckptool import`: {peer['wall_sync'] / main['wall_sync']:.1f}x "
+            "the wall + sync time (for information; no target)"]
 
 
 def main() -> None:
@@ -204,9 +197,11 @@ def main() -> None:
     ap.add_argument("--to", type=int, default=8, help="rank count of the output (default 8)")
     ap.add_argument("--peer-ranks", type=int, default=None, help="ranks of the peers' way "
                     "(default: --to)")
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=5, help="runs per tool and cache mode (default 5)")
     ap.add_argument("--peer-runs", type=int, default=None,
                     help="runs of the (slow) peers' way (default: --runs)")
+    ap.add_argument("--cache", choices=CACHE_CHOICES, default="both",
+                    help="page cache before each run: cold (dropped), warm, or both (default)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/ckptool-import-bench"))
     ap.add_argument("--only", action="append", help="run only these tools (repeatable)")
     ap.add_argument("--markdown", type=Path, help="write the table into this file's section")
@@ -226,30 +221,20 @@ def main() -> None:
     peer_ranks = args.peer_ranks or args.to
     selected = {k: v for k, v in tools(args.source, args.work, args.to, peer_ranks).items()
                 if not args.only or any(k.startswith(o) for o in args.only)}
-    results: dict[str, list[dict[str, float]]] = {k: [] for k in selected}
-    cold = True
-    for i in range(args.runs):
-        for name, (cmd, out) in selected.items():
-            if name.startswith("from_pretrained") and i >= (args.peer_runs or args.runs):
-                continue
-            shutil.rmtree(out, ignore_errors=True)
-            cold &= drop_caches()
-            load = os.getloadavg()[0]
-            r = {**run_once(cmd), "load": load}
-            results[name].append(r)
-            print(f"run {i + 1} {name}: {json.dumps({k: round(v, 3) for k, v in r.items()})}",
-                  flush=True)
-            shutil.rmtree(out, ignore_errors=True)
+    peer_runs = min(args.peer_runs or args.runs, args.runs)
+    results, dropped = measure(
+        selected, args.source, runs=args.runs, modes=modes_of(args.cache),
+        skip=lambda name, i: name.startswith("from_pretrained") and i >= peer_runs)
     section = args.section or SECTION
-    info = {**describe(args.source), "to": args.to, "runs": args.runs,
-            "peer_runs": min(args.peer_runs or args.runs, args.runs),
-            "cache": "dropped before every run" if cold else "warm (could not drop caches)",
+    info = {**describe(args.source), "to": args.to, "runs": args.runs, "peer_runs": peer_runs,
+            "dropped": dropped,
             "machine": f"{os.cpu_count()} CPUs, {mem_gib():.0f} GiB RAM, Linux "
                        f"{platform.release()}, Python {platform.python_version()}"}
     gen = Path(f"{args.source}.gen")
     info["gen"] = gen.read_text() if gen.exists() else "(source not made by --gen)"
     info["bench"] = (f"python bench/import_bench.py {args.source} --to {args.to} --peer-ranks "
-                     f"{peer_ranks} --runs {args.runs} --peer-runs {info['peer_runs']}")
+                     f"{peer_ranks} --runs {args.runs} --peer-runs {peer_runs} "
+                     f"--cache {args.cache}")
     text = f"{section}\n\n" + render(results, info)
     print(text)
     (args.work / "results.json").write_text(json.dumps({"results": results, "info": info},

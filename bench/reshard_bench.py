@@ -8,13 +8,14 @@ model, no optimizer objects), ``dcp.load`` then ``dcp.save``.
 Same rules as ``bench/consolidate_bench.py``: every run is a fresh subprocess, wall time from
 the parent's clock ("wall + sync" adds an ``os.sync()`` after it, charging tools that do not
 flush), peak RSS from ``os.wait4`` (the largest single process; for the DCP route the sum over
-its ranks is reported too), runs interleaved across tools, page cache dropped before every run
-(``sync; echo 3 > /proc/sys/vm/drop_caches``; needs root, else the table says "warm").
+its ranks is reported too). ``--cache both`` (the default) measures with the page cache
+dropped before every run (``sync; echo 3 > /proc/sys/vm/drop_caches``; needs root, else the
+table says "warm") and with the source already cached, runs interleaved across tools and
+modes (``bench/_runs.py``); medians of ``--runs`` (default 5) against issue 15's targets.
 
 Usage:
     python bench/gen_checkpoint.py /tmp/rsbench/step_1000 --ranks 8 --size-gb 2.2
-    python bench/reshard_bench.py /tmp/rsbench/step_1000 --to 4 --runs 3 \
-        --markdown docs/BENCHMARKS.md
+    python bench/reshard_bench.py /tmp/rsbench/step_1000 --to 4 --markdown docs/BENCHMARKS.md
 """
 
 from __future__ import annotations
@@ -23,14 +24,13 @@ import argparse
 import json
 import os
 import platform
-import shutil
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import (check, drop_caches, fmt, mem_gib, record_rss, run_once,  # noqa: E402
-                     spawn_ranks, tool_table, write_section)
+from _common import fmt, mem_gib, record_rss, spawn_ranks, tool_table, write_section  # noqa: E402
+from _runs import (CACHE_CHOICES, Results, measure, medians, mode_label,  # noqa: E402
+                   modes_of, targets)
 
 SECTION = "## reshard"
 
@@ -103,8 +103,8 @@ def dcp_route(src: str, dst: str, m: int) -> None:
 
 
 def describe(ckpt: Path, m: int) -> dict[str, object]:
-    from ckptool.format.metadata import read_metadata
     from ckptool.format.fsdp_layout import fsdp_chunks
+    from ckptool.format.metadata import read_metadata
     from ckptool.storage import Storage
 
     meta = read_metadata(Storage.open(ckpt))
@@ -113,62 +113,48 @@ def describe(ckpt: Path, m: int) -> dict[str, object]:
     chunk_out = max(c.numel * t.dtype.itemsize for t in ts for _, c in fsdp_chunks(t.shape, m))
     return {"world_size": meta.world_size, "to": m, "tensors": len(meta.tensors),
             "objects": len(meta.objects), "tensor_bytes": sum(t.nbytes for t in ts),
-            "chunk_src": chunk_src, "chunk_out": chunk_out,
+            "largest": max(t.nbytes for t in ts), "chunk_src": chunk_src, "chunk_out": chunk_out,
             "disk_bytes": sum(e.stat().st_size for e in os.scandir(ckpt))}
 
 
-
-
-def render(results: dict[str, list[dict[str, float]]], info: dict[str, object]) -> str:
+def render(results: Results, info: dict[str, object]) -> str:
+    loads = [r["load"] for m in results.values() for v in m.values() for r in v]
     lines = [f"{SECTION}\n",
              f"Checkpoint: {info['world_size']}-rank FSDP2-style DCP (`bench/gen_checkpoint.py`), "
              f"{info['tensors']} tensors, {info['tensor_bytes'] / 1e9:.2f} GB of tensor data, "
              f"{info['disk_bytes'] / 1e9:.2f} GB on disk; resharded to {info['to']} ranks. "
-             f"Largest chunk: {info['chunk_src'] / 2**20:.0f} MiB in the source, "
+             f"Largest tensor: {info['largest'] / 2**20:.0f} MiB; largest chunk: "
+             f"{info['chunk_src'] / 2**20:.0f} MiB in the source, "
              f"{info['chunk_out'] / 2**20:.0f} MiB in the output. Machine: {info['machine']}. "
-             f"Page cache: {info['cache']}. {info['runs']} runs per tool, interleaved; "
-             "min / **median** / max. 1-minute load average before the runs (other jobs on the "
-             f"machine): {fmt([r['load'] for v in results.values() for r in v], 1)}.\n",
-             *tool_table(results)]
-    lines += ["", "Targets (medians):", ""] + targets(results, info)
-    lines += ["", f"Commands: `{info['gen']}` then `{info['bench']}`.", ""]
+             f"{info['runs']} runs per tool and page-cache mode, interleaved across tools and "
+             "modes; min / **median** / max. 1-minute load average before the runs (other jobs "
+             f"on the machine): {fmt(loads, 1)}.\n"]
+    for mode, res in results.items():
+        lines += [f"Page cache: {mode_label(mode, info['dropped'])}.\n", *tool_table(res), "",
+                  "Targets (medians):", "", *targets(res, largest=info["largest"]),
+                  *dcp_line(res), ""]
+    lines += [f"Commands: `{info['gen']}` then `{info['bench']}`.", ""]
     return "\n".join(lines)
 
 
-def targets(results: dict[str, list[dict[str, float]]], info: dict[str, object]) -> list[str]:
-    med = {k: {m: statistics.median(r[m] for r in v) for m in ("wall", "wall_sync", "rss_mib")}
-           for k, v in results.items()}
-    cp = med.get("cp -r")
-    out = []
-    limit = info["chunk_src"] / 2**20 + 64  # type: ignore[operator]
-    for name, r in med.items():
-        if not name.startswith("ckptool"):
-            continue
-        out.append(check(f"`{name}`: peak RSS <= largest (source) chunk + 64 MiB", r["rss_mib"],
-                          "<=", limit, f"{r['rss_mib']:.0f} MiB vs {limit:.0f} MiB"))
-        for m, label in (("wall", "wall"), ("wall_sync", "wall + sync")):
-            if cp:
-                x = r[m] / cp[m]
-                out.append(check(f"`{name}`: {label} <= 1.25x `cp -r`", x, "<=", 1.25,
-                                  f"{x:.2f}x"))
+def dcp_line(results: dict[str, list[dict[str, float]]]) -> list[str]:
+    med = medians(results)
     dcp = next((v for k, v in med.items() if k.startswith("DCP")), None)
     main = next((v for k, v in med.items() if k.startswith("ckptool") and "no-verify" not in k),
                 None)
-    if dcp and main:
-        out.append(f"- DCP load + save vs `ckptool reshard`: {dcp['wall'] / main['wall']:.1f}x the "
-                   f"wall time (for information; no target)")
-    return out
-
-
-
-
+    if not (dcp and main):
+        return []
+    return [f"- DCP load + save vs `ckptool reshard`: {dcp['wall_sync'] / main['wall_sync']:.1f}x "
+            "the wall + sync time (for information; no target)"]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("checkpoint", type=Path, nargs="?")
     ap.add_argument("--to", type=int, default=4, help="target rank count (default 4)")
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=5, help="runs per tool and cache mode (default 5)")
+    ap.add_argument("--cache", choices=CACHE_CHOICES, default="both",
+                    help="page cache before each run: cold (dropped), warm, or both (default)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/ckptool-reshard-bench"))
     ap.add_argument("--only", action="append", help="run only these tools (repeatable)")
     ap.add_argument("--markdown", type=Path, help="write the table into this file's section")
@@ -181,34 +167,21 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     selected = {k: v for k, v in tools(args.checkpoint, args.work, args.to).items()
                 if not args.only or k in args.only}
-    results: dict[str, list[dict[str, float]]] = {k: [] for k in selected}
-    cold = True
-    for i in range(args.runs):
-        for name, (cmd, out) in selected.items():
-            shutil.rmtree(out, ignore_errors=True)
-            cold &= drop_caches()
-            load = os.getloadavg()[0]  # other users of the machine skew wall times
-            r = {**run_once(cmd), "load": load}
-            results[name].append(r)
-            print(f"run {i + 1} {name}: {json.dumps({k: round(v, 3) for k, v in r.items()})}",
-                  flush=True)
-            shutil.rmtree(out, ignore_errors=True)
-    info = {**describe(args.checkpoint, args.to), "runs": args.runs,
-            "cache": "dropped before every run" if cold else "warm (could not drop caches)",
+    results, dropped = measure(selected, args.checkpoint, runs=args.runs,
+                               modes=modes_of(args.cache))
+    info = {**describe(args.checkpoint, args.to), "runs": args.runs, "dropped": dropped,
             "machine": f"{os.cpu_count()} CPUs, {mem_gib():.0f} GiB RAM, Linux "
                        f"{platform.release()}, Python {platform.python_version()}"}
     info["gen"] = (f"python bench/gen_checkpoint.py {args.checkpoint} --ranks {info['world_size']} "
                    f"--size-gb {info['tensor_bytes'] / 1e9:.1f}")
     info["bench"] = (f"python bench/reshard_bench.py {args.checkpoint} --to {args.to} "
-                     f"--runs {args.runs}")
+                     f"--runs {args.runs} --cache {args.cache}")
     text = render(results, info)
     print(text)
     (args.work / "results.json").write_text(json.dumps({"results": results, "info": info},
                                                        indent=1))
     if args.markdown:
         write_section(args.markdown, SECTION, text)
-
-
 
 
 if __name__ == "__main__":

@@ -1,0 +1,97 @@
+"""Interleaved timed runs of several tools in both page-cache modes, and the issue's targets.
+
+Shared by ``bench/reshard_bench.py`` and ``bench/import_bench.py``: every run is a fresh
+subprocess (``_common.run_once``); runs alternate across tools and cache modes (run 1 of every
+tool cold, then warm, then run 2 ...), so a slow spell of a loaded machine hits every tool.
+Before a cold run the page cache is dropped (root only); before a warm run the source is read
+once so that it sits in the cache. Every run starts with no dirty pages (``sync``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+from _common import check, drop_caches, run_once
+
+CACHE_CHOICES = ("cold", "warm", "both")
+#: issue 15: wall + sync of a ckptool op <= this times ``cp -r`` + sync of the same bytes.
+CP_RATIO = 1.15
+#: issue 15: peak RSS <= the largest tensor + this many MiB.
+RSS_SLACK_MIB = 64
+CP = "cp -r"
+
+Tools = dict[str, tuple[list[str], Path]]
+Results = dict[str, dict[str, list[dict[str, float]]]]  # mode -> tool -> runs
+
+
+def modes_of(cache: str) -> list[str]:
+    return ["cold", "warm"] if cache == "both" else [cache]
+
+
+def warm_up(src: Path) -> None:
+    """Read every file under ``src`` once (into the page cache)."""
+    buf = bytearray(8 << 20)
+    for p in sorted(q for q in src.rglob("*") if q.is_file()):
+        with open(p, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+
+
+def measure(tools: Tools, src: Path, *, runs: int, modes: list[str],
+            skip: Callable[[str, int], bool] | None = None) -> tuple[Results, bool]:
+    """Run every tool ``runs`` times in every mode, interleaved; (results, caches were dropped).
+
+    ``skip(name, i)`` leaves run ``i`` of a tool out (e.g. fewer runs of a slow peer route).
+    """
+    results: Results = {m: {k: [] for k in tools} for m in modes}
+    dropped = True
+    for i in range(runs):
+        for mode in modes:
+            for name, (cmd, out) in tools.items():
+                if skip is not None and skip(name, i):
+                    continue
+                shutil.rmtree(out, ignore_errors=True)
+                if mode == "cold":
+                    dropped &= drop_caches()
+                else:
+                    os.sync()
+                    warm_up(src)
+                r = {**run_once(cmd), "load": os.getloadavg()[0]}  # load: other users skew it
+                results[mode][name].append(r)
+                shown = {k: round(v, 3) for k, v in r.items()}
+                print(f"run {i + 1} {mode} {name}: {shown}", flush=True)
+                shutil.rmtree(out, ignore_errors=True)
+    return results, dropped
+
+
+def medians(results: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, float]]:
+    return {k: {m: statistics.median(r[m] for r in v) for m in ("wall", "wall_sync", "rss_mib")}
+            for k, v in results.items() if v}
+
+
+def targets(results: dict[str, list[dict[str, float]]], *, largest: int) -> list[str]:
+    """Issue 15's target lines for every ``ckptool`` tool: wall + sync <= 1.15x ``cp -r`` +
+    sync, and peak RSS <= the largest tensor (``largest`` bytes) + 64 MiB."""
+    med = medians(results)
+    cp, out = med.get(CP), []
+    limit = largest / 2**20 + RSS_SLACK_MIB
+    for name, r in med.items():
+        if not name.startswith("ckptool"):
+            continue
+        out.append(check(f"`{name}`: peak RSS <= largest tensor + {RSS_SLACK_MIB} MiB",
+                         r["rss_mib"], "<=", limit, f"{r['rss_mib']:.0f} MiB vs {limit:.0f} MiB"))
+        if cp:
+            x = r["wall_sync"] / cp["wall_sync"]
+            out.append(check(f"`{name}`: wall + sync <= {CP_RATIO}x `cp -r` + sync", x, "<=",
+                             CP_RATIO, f"{x:.2f}x"))
+    return out
+
+
+def mode_label(mode: str, dropped: bool) -> str:
+    if mode == "warm":
+        return "warm (source read once before every run)"
+    return "cold (dropped before every run)" if dropped else "warm (could not drop caches)"
