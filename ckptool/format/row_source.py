@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -177,18 +178,33 @@ def read_block(r: ByteRange, buf: bytearray | None = None) -> memoryview:
 
 
 class RangedFile:
-    """One file of a remote folder read by exact ranged requests (``Storage.read_range`` per
-    call): the ``RangeReader`` interface without a shared handle or read-ahead, so threads may
-    read it at once and a small read fetches only its bytes."""
+    """One file of a remote folder read by ranged requests (``Storage.read_range``): the
+    ``RangeReader`` interface without a shared handle, so threads may read it at once.
+
+    A read under ``WINDOW`` bytes fetches ``WINDOW`` bytes from its offset; the last two are
+    kept (per thread) for the next small reads: a record's headers and pickle lie together,
+    and its zip directory just before the next record's, so locating the records of a file in
+    order costs about one request each instead of one per header.
+    """
 
     fileno = None
+    WINDOW = 256 << 10
 
     def __init__(self, storage: Storage, rel: str) -> None:
         self.storage = storage
         self.rel = rel
+        self._window = threading.local()
 
     def pread(self, offset: int, length: int) -> bytes:
-        return self.storage.read_range(self.rel, offset, length)
+        if length >= self.WINDOW:
+            return self.storage.read_range(self.rel, offset, length)
+        kept = getattr(self._window, "kept", [])
+        for base, data in kept:
+            if base <= offset and offset + length <= base + len(data):
+                return data[offset - base:offset + length - base]
+        data = self.storage.read_range(self.rel, offset, self.WINDOW)
+        self._window.kept = [(offset, data)] + kept[:1]  # the last two windows
+        return data[:length]
 
     def close(self) -> None:
         pass

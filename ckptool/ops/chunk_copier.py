@@ -9,8 +9,8 @@ file; ``whole`` pieces are tensors saved in other boxes, assembled in memory one
   it, so the two overlap on two cores;
 - local source, bytes through Python (a cast, ``verify``): per file one job reads each block
   once (``row_source.read_blocks``): CRC, cast, positioned write;
-- remote source: the records are located in parallel, then every block (``BLOCK``) is its own
-  job, one ranged request written at its output offset, so ``workers`` requests run at once;
+- remote source: the records are located in parallel, then every block (``REMOTE_BLOCK``) is
+  its own job, one ranged request written at its output offset, so ``workers`` run at once;
   the blocks' CRC-32s are combined per record (``crc32_combine``) and checked at the end.
 
 Memory: one block (plus its cast) per worker, and one full tensor for non-row-block layouts.
@@ -33,8 +33,10 @@ from ckptool.format.row_source import ByteRange, blocks_of, read_block, read_blo
 from ckptool.format.safetensors_writer import FileLayout, OutputFile, cast_bytes
 from ckptool.storage import BLOCK
 
-#: Parallel ranged requests for a remote source (each holds one ``BLOCK``).
-REMOTE_WORKERS = 16
+#: Parallel ranged requests for a remote source, and the most bytes each asks for: at most
+#: 8 x 16 MiB in flight.
+REMOTE_WORKERS = 8
+REMOTE_BLOCK = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -89,11 +91,8 @@ class Copier:
                 o.close(sync=not self.ticker.abort.is_set())
 
     def _run_local(self, pieces: list[Piece], whole: list[Piece], workers: int) -> None:
-        files: dict[str, list[Piece]] = {}
-        for p in pieces:
-            files.setdefault(p.chunk.storage.relative_path, []).append(p)  # type: ignore[union-attr]
         jobs: list[Callable[[], object]] = []
-        for ps in files.values():
+        for ps in _by_file(pieces).values():
             jobs.append(functools.partial(self._copy_job, ps))
             if self.check_crc and not self.inline:
                 jobs.append(functools.partial(self._check_job, ps))
@@ -101,8 +100,13 @@ class Copier:
         run_jobs(self.ticker, lambda job: job(), jobs, workers)
 
     def _run_remote(self, pieces: list[Piece], whole: list[Piece], workers: int) -> None:
-        located = run_jobs(self.ticker, lambda p: self.ck.locate(p.tensor, p.chunk), pieces,
-                           workers)
+        # One locating job per file, front to back: a record's tail and the next record's
+        # headers then come in one request (``RangedFile.WINDOW``).
+        files = _by_file(pieces)
+        found = run_jobs(self.ticker, lambda ps: [self.ck.locate(p.tensor, p.chunk) for p in ps],
+                         list(files.values()), workers)
+        where = {id(p): cb for ps, cbs in zip(files.values(), found) for p, cb in zip(ps, cbs)}
+        located = [where[id(p)] for p in pieces]
         blocks: list[_Block | None] = []
         jobs: list[Callable[[], int | None]] = []
         for i, (p, cb) in enumerate(zip(pieces, located)):
@@ -111,7 +115,7 @@ class Copier:
                 jobs.append(functools.partial(self._gather_job, p, cb))
                 continue
             span, check = self._span(cb)
-            for part in blocks_of(span, BLOCK):
+            for part in blocks_of(span, REMOTE_BLOCK):
                 blocks.append(_Block(i, part, check))
                 jobs.append(functools.partial(self._fetch_job, p, cb, blocks[-1]))
         jobs += [functools.partial(self._whole_job, whole)] if whole else []
@@ -239,3 +243,11 @@ class Copier:
     def _write(self, p: Piece, data: memoryview) -> None:
         self.outs[p.out].pwrite(data, p.offset)
         self._advance(len(data))
+
+
+def _by_file(pieces: list[Piece]) -> dict[str, list[Piece]]:
+    """The pieces per source file, in their order (the plan's: file offset)."""
+    files: dict[str, list[Piece]] = {}
+    for p in pieces:
+        files.setdefault(p.chunk.storage.relative_path, []).append(p)  # type: ignore[union-attr]
+    return files

@@ -114,7 +114,7 @@ def consolidate(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
         force: replace an existing output (of a folder, only its weight files); else refuse.
         verify: re-read the output and compare xxh3 checksums with the bytes copied.
         check_crc: check every source record's CRC-32 (False saves a read of the source).
-        workers: threads for copy and check jobs (default 2; 16 ranged requests if remote).
+        workers: threads for copy and check jobs (default 2; 8 ranged requests if remote).
         progress: called as ``progress(bytes_done, bytes_total)`` from the calling thread; an
             exception it raises (e.g. ``KeyboardInterrupt``) aborts and removes the output.
 

@@ -40,7 +40,7 @@ def _put(s3_server, local, remote):
 @pytest.mark.parametrize("dtype", [None, "bfloat16"])
 def test_s3_export_equals_local_export(s3_server, s3_bucket, src, tmp_path, monkeypatch, dtype):
     _put(s3_server, src, f"{s3_bucket}/run/step_3")
-    monkeypatch.setattr(chunk_copier, "BLOCK", 4096)  # many ranged blocks per record
+    monkeypatch.setattr(chunk_copier, "REMOTE_BLOCK", 4096)  # many ranged blocks per record
     local = consolidate(src, tmp_path / "local.safetensors", dtype=dtype)
     remote = consolidate(f"s3://{s3_bucket}/run/step_3", tmp_path / "remote.safetensors",
                          dtype=dtype, workers=5, verify=True)
@@ -68,7 +68,7 @@ def test_damaged_block_on_s3_is_refused(s3_server, s3_bucket, src, tmp_path, mon
     data[pos] ^= 0x01
     path.write_bytes(bytes(data))
     _put(s3_server, bad, f"{s3_bucket}/bad/step_3")
-    monkeypatch.setattr(chunk_copier, "BLOCK", 4096)
+    monkeypatch.setattr(chunk_copier, "REMOTE_BLOCK", 4096)
     with pytest.raises(CorruptCheckpointError, match="CRC-32 mismatch"):
         consolidate(f"s3://{s3_bucket}/bad/step_3", tmp_path / "out.safetensors")
     assert not (tmp_path / "out.safetensors").exists()
