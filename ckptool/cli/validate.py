@@ -33,7 +33,7 @@ def validate_cmd(checkpoint: str, deep: bool, world_size: int | None, json_out: 
     Example:
       ckptool validate runs/demo/step_300 --deep
     """
-    from ckptool.ops.validate import validate
+    from ckptool.ops.validate import Severity, validate
 
     with byte_progress("validate", deep and progress_enabled(json_out)) as progress:
         report = validate(checkpoint, deep=deep, world_size=world_size, progress=progress)
@@ -41,7 +41,7 @@ def validate_cmd(checkpoint: str, deep: bool, world_size: int | None, json_out: 
         echo_json({"ok": report.ok, **{k: v for k, v in vars(report).items() if k != "metadata"}})
     else:
         for f in report.findings:
-            click.echo(str(f), err=f.severity == "error")
+            click.echo(str(f), err=f.severity is Severity.ERROR)
         if report.ok:
             kind = "deep" if deep else "structure"
             click.echo(f"ok: {report.path} is complete ({report.tensors} tensors, "

@@ -9,6 +9,10 @@ A safetensors checkpoint of DCP's ``HuggingFaceStorageWriter`` (no ``.metadata``
 from its index and headers (``format/safetensors_source.py``): the same geometry and file
 checks, and ``deep=True`` reads every byte. Its files carry no checksum, and the report says
 so (a "note" finding).
+
+Here: the walk over a checkpoint's parts and the structural checks of files, records and the
+manifest. Chunk geometry is ``chunk_geometry.py``'s, the ``--deep`` byte checks
+``deep_check.py``'s, the result types (``Report``, ``Finding``, ``Severity``) ``validate_report.py``'s.
 """
 
 from __future__ import annotations
