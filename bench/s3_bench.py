@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import check, fmt, mem_gib, run_once, tool_table, write_section  # noqa: E402
+from _common import check, mem_gib, run_once, tool_table, write_section  # noqa: E402
 
 SECTION = "## consolidate from S3"
 BUCKET = "ckptool-bench"
