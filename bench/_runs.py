@@ -15,7 +15,7 @@ import statistics
 from collections.abc import Callable
 from pathlib import Path
 
-from _common import check, drop_caches, run_once
+from _common import check, drop_caches, fmt, run_once, tool_table
 
 CACHE_CHOICES = ("cold", "warm", "both")
 #: issue 15: wall + sync of a ckptool op <= this times ``cp -r`` + sync of the same bytes.
@@ -95,3 +95,39 @@ def mode_label(mode: str, dropped: bool) -> str:
     if mode == "warm":
         return "warm (source read once before every run)"
     return "cold (dropped before every run)" if dropped else "warm (could not drop caches)"
+
+
+def versus_line(results: dict[str, list[dict[str, float]]], other: str, main: str,
+                label: str) -> list[str]:
+    """An information line: how many times ``main``'s wall + sync the first tool whose name
+    starts with ``other`` took (none when either did not run)."""
+    med = medians(results)
+    peer = next((v for k, v in med.items() if k.startswith(other)), None)
+    if peer is None or main not in med:
+        return []
+    return [f"- {label}: {peer['wall_sync'] / med[main]['wall_sync']:.1f}x the wall + sync time "
+            "(for information; no target)"]
+
+
+def add_run_options(ap) -> None:
+    """``--runs`` and ``--cache``, the same in every bench that uses ``measure``."""
+    ap.add_argument("--runs", type=int, default=5, help="runs per tool and cache mode (default 5)")
+    ap.add_argument("--cache", choices=CACHE_CHOICES, default="both",
+                    help="page cache before each run: cold (dropped), warm, or both (default)")
+
+
+def loads_text(results: Results) -> str:
+    """min / median / max of the 1-minute load average before the runs."""
+    return fmt([r["load"] for m in results.values() for v in m.values() for r in v], 1)
+
+
+def mode_sections(results: Results, *, dropped: bool, largest: int,
+                  versus: tuple[str, str, str] | None = None) -> list[str]:
+    """Per cache mode: the table of every tool, the target lines, and the ``versus_line``
+    (``(other, main, label)``) if given."""
+    lines = []
+    for mode, res in results.items():
+        lines += [f"Page cache: {mode_label(mode, dropped)}.\n", *tool_table(res), "",
+                  "Targets (medians):", "", *targets(res, largest=largest),
+                  *(versus_line(res, *versus) if versus else []), ""]
+    return lines

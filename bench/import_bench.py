@@ -29,9 +29,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import fmt, mem_gib, record_rss, spawn_ranks, tool_table, write_section  # noqa: E402
-from _runs import (CACHE_CHOICES, Results, measure, medians, mode_label,  # noqa: E402
-                   modes_of, targets)
+from _common import mem_gib, record_rss, spawn_ranks, write_section  # noqa: E402
+from _runs import (Results, add_run_options, loads_text, measure,  # noqa: E402
+                   mode_sections, modes_of)
 
 SECTION = "## import"
 SHAPES = {"hidden": 2048, "ff": 5632, "heads": 32, "kv_heads": 4, "vocab": 32000}
@@ -162,7 +162,6 @@ def describe(src: Path) -> dict[str, object]:
 
 
 def render(results: Results, info: dict) -> str:
-    loads = [r["load"] for m in results.values() for v in m.values() for r in v]
     lines = [f"Source: Hugging Face folder (`bench/import_bench.py --gen`), {info['tensors']} "
              f"{'/'.join(info['dtypes'])} tensors in {info['files']} safetensors shards, "
              f"{info['bytes'] / 1e9:.2f} GB; imported for {info['to']} ranks (default: cast to "
@@ -171,24 +170,13 @@ def render(results: Results, info: dict) -> str:
              f"{info['runs']} runs per tool and page-cache mode (the peers' way: "
              f"{info['peer_runs']}), interleaved across tools and modes; min / **median** / max. "
              "1-minute load average before the runs (other jobs on the machine): "
-             f"{fmt(loads, 1)}. A cast to float32 writes more bytes than it reads; its ratio is "
+             f"{loads_text(results)}. A cast to float32 writes more bytes than it reads; its ratio is "
              "still against copying the source's bytes.\n"]
-    for mode, res in results.items():
-        lines += [f"Page cache: {mode_label(mode, info['dropped'])}.\n", *tool_table(res), "",
-                  "Targets (medians):", "", *targets(res, largest=info["largest"]),
-                  *peer_line(res, info), ""]
+    lines += mode_sections(results, dropped=info["dropped"], largest=info["largest"],
+                           versus=("from_pretrained", f"ckptool import --ranks {info['to']}",
+                                   "the peers' way vs `ckptool import`"))
     lines += [f"Commands: `{info['gen']}` then `{info['bench']}`.", ""]
     return "\n".join(lines)
-
-
-def peer_line(results: dict[str, list[dict[str, float]]], info: dict) -> list[str]:
-    med = medians(results)
-    peer = next((v for k, v in med.items() if k.startswith("from_pretrained")), None)
-    main = med.get(f"ckptool import --ranks {info['to']}")
-    if not (peer and main):
-        return []
-    return [f"- the peers' way vs `ckptool import`: {peer['wall_sync'] / main['wall_sync']:.1f}x "
-            "the wall + sync time (for information; no target)"]
 
 
 def main() -> None:
@@ -197,11 +185,9 @@ def main() -> None:
     ap.add_argument("--to", type=int, default=8, help="rank count of the output (default 8)")
     ap.add_argument("--peer-ranks", type=int, default=None, help="ranks of the peers' way "
                     "(default: --to)")
-    ap.add_argument("--runs", type=int, default=5, help="runs per tool and cache mode (default 5)")
+    add_run_options(ap)
     ap.add_argument("--peer-runs", type=int, default=None,
                     help="runs of the (slow) peers' way (default: --runs)")
-    ap.add_argument("--cache", choices=CACHE_CHOICES, default="both",
-                    help="page cache before each run: cold (dropped), warm, or both (default)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/ckptool-import-bench"))
     ap.add_argument("--only", action="append", help="run only these tools (repeatable)")
     ap.add_argument("--markdown", type=Path, help="write the table into this file's section")

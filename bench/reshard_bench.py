@@ -28,9 +28,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import fmt, mem_gib, record_rss, spawn_ranks, tool_table, write_section  # noqa: E402
-from _runs import (CACHE_CHOICES, Results, measure, medians, mode_label,  # noqa: E402
-                   modes_of, targets)
+from _common import mem_gib, record_rss, spawn_ranks, write_section  # noqa: E402
+from _runs import (Results, add_run_options, loads_text, measure,  # noqa: E402
+                   mode_sections, modes_of)
 
 SECTION = "## reshard"
 
@@ -118,7 +118,6 @@ def describe(ckpt: Path, m: int) -> dict[str, object]:
 
 
 def render(results: Results, info: dict[str, object]) -> str:
-    loads = [r["load"] for m in results.values() for v in m.values() for r in v]
     lines = [f"{SECTION}\n",
              f"Checkpoint: {info['world_size']}-rank FSDP2-style DCP (`bench/gen_checkpoint.py`), "
              f"{info['tensors']} tensors, {info['tensor_bytes'] / 1e9:.2f} GB of tensor data, "
@@ -128,33 +127,19 @@ def render(results: Results, info: dict[str, object]) -> str:
              f"{info['chunk_out'] / 2**20:.0f} MiB in the output. Machine: {info['machine']}. "
              f"{info['runs']} runs per tool and page-cache mode, interleaved across tools and "
              "modes; min / **median** / max. 1-minute load average before the runs (other jobs "
-             f"on the machine): {fmt(loads, 1)}.\n"]
-    for mode, res in results.items():
-        lines += [f"Page cache: {mode_label(mode, info['dropped'])}.\n", *tool_table(res), "",
-                  "Targets (medians):", "", *targets(res, largest=info["largest"]),
-                  *dcp_line(res), ""]
+             f"on the machine): {loads_text(results)}.\n"]
+    lines += mode_sections(results, dropped=info["dropped"], largest=info["largest"],
+                           versus=("DCP", f"ckptool reshard --to {info['to']}",
+                                   "DCP load + save vs `ckptool reshard`"))
     lines += [f"Commands: `{info['gen']}` then `{info['bench']}`.", ""]
     return "\n".join(lines)
-
-
-def dcp_line(results: dict[str, list[dict[str, float]]]) -> list[str]:
-    med = medians(results)
-    dcp = next((v for k, v in med.items() if k.startswith("DCP")), None)
-    main = next((v for k, v in med.items() if k.startswith("ckptool") and "no-verify" not in k),
-                None)
-    if not (dcp and main):
-        return []
-    return [f"- DCP load + save vs `ckptool reshard`: {dcp['wall_sync'] / main['wall_sync']:.1f}x "
-            "the wall + sync time (for information; no target)"]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("checkpoint", type=Path, nargs="?")
     ap.add_argument("--to", type=int, default=4, help="target rank count (default 4)")
-    ap.add_argument("--runs", type=int, default=5, help="runs per tool and cache mode (default 5)")
-    ap.add_argument("--cache", choices=CACHE_CHOICES, default="both",
-                    help="page cache before each run: cold (dropped), warm, or both (default)")
+    add_run_options(ap)
     ap.add_argument("--work", type=Path, default=Path("/tmp/ckptool-reshard-bench"))
     ap.add_argument("--only", action="append", help="run only these tools (repeatable)")
     ap.add_argument("--markdown", type=Path, help="write the table into this file's section")

@@ -88,11 +88,24 @@ def test_world_size_and_file_sizes():
                                                (METADATA, 7)]
 
 
+def _flaky_copy(monkeypatch) -> None:
+    """Every kernel copy leaves one byte in the file different from the source's."""
+    from ckptool.format import dcp_writer
+
+    original = dcp_writer.DistcpFile._copy
+
+    def flaky(self, fd, offset, want, view):
+        n = original(self, fd, offset, want, view)
+        os.pwrite(self._fd, bytes([os.pread(self._fd, 1, self.size + 5)[0] ^ 1]), self.size + 5)
+        return n
+
+    monkeypatch.setattr(dcp_writer.DistcpFile, "_copy", flaky)
+
+
 def test_reshard_refuses_output_that_differs_from_the_source(tmp_path, monkeypatch):
     """End to end: a copy whose bytes in the file differ from the source's."""
     import numpy as np
 
-    from ckptool.format import dcp_writer
     from ckptool.format.dcp_writer import DistcpFile, write_metadata
     from ckptool.format.metadata import CheckpointMetadata, Chunk, TensorEntry
     from ckptool.ops.reshard import reshard
@@ -104,14 +117,7 @@ def test_reshard_refuses_output_that_differs_from_the_source(tmp_path, monkeypat
         ref = f.append_record(tensor_record(F32, (64, 16), data))
     t = TensorEntry("w", F32, (64, 16), (Chunk((0, 0), (64, 16), ref),))
     write_metadata(src, CheckpointMetadata(tensors={"w": t}, objects={}))
-    original = dcp_writer.DistcpFile._copy
-
-    def flaky(self, fd, offset, want, view):  # one byte differs in the file after the copy
-        n = original(self, fd, offset, want, view)
-        os.pwrite(self._fd, bytes([os.pread(self._fd, 1, self.size + 5)[0] ^ 1]), self.size + 5)
-        return n
-
-    monkeypatch.setattr(dcp_writer.DistcpFile, "_copy", flaky)
+    _flaky_copy(monkeypatch)
     with pytest.raises(CorruptCheckpointError, match="verification failed.*CRC-32 mismatch"):
         reshard(src, tmp_path / "out", world_size=2)
     assert not (tmp_path / "out").exists()
@@ -122,7 +128,6 @@ def test_reshard_refuses_output_that_differs_from_the_source(tmp_path, monkeypat
 def test_import_refuses_output_that_differs_from_the_source(tmp_path, monkeypatch):
     import json
 
-    from ckptool.format import dcp_writer
     from ckptool.ops.import_hf import import_hf
 
     data = struct.pack("<64f", *range(64))
@@ -130,14 +135,7 @@ def test_import_refuses_output_that_differs_from_the_source(tmp_path, monkeypatc
     header += " " * (-len(header) % 8)
     src = tmp_path / "model.safetensors"
     src.write_bytes(struct.pack("<Q", len(header)) + header.encode() + data)
-    original = dcp_writer.DistcpFile._copy
-
-    def flaky(self, fd, offset, want, view):
-        n = original(self, fd, offset, want, view)
-        os.pwrite(self._fd, b"\xff", self.size + 3)
-        return n
-
-    monkeypatch.setattr(dcp_writer.DistcpFile, "_copy", flaky)
+    _flaky_copy(monkeypatch)
     with pytest.raises(CorruptCheckpointError, match="verification failed.*CRC-32 mismatch"):
         import_hf(src, tmp_path / "out", world_size=2)
     assert not (tmp_path / "out").exists()
