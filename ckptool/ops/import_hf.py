@@ -8,15 +8,18 @@ Records come from ``format/dcp_writer.py`` (byte-identical to ``torch.save``); w
 progress, verification and the commit are reshard's (``ops/reshard.py``).
 
 Bytes move without torch: each output row block is one contiguous range of a source file,
-read in 8 MiB blocks, cast with numpy when asked (``--dtype float32``, the default: FSDP2
-master weights; bf16 -> fp32 is exact) and CRC-32'd on the way. A tied model whose files
-store no ``lm_head.weight`` gets it from the input embedding, as ``state_dict()`` lists it.
-The source's config and tokenizer files are copied to ``hf_assets/`` and listed in
-``ckptool.json`` (``config["hf_config"]``, ``config["hf_assets"]``) for a later export.
+copied in the kernel (``os.copy_file_range``) and re-read from the page cache for its CRC-32,
+or, when cast (``--dtype float32``, the default: FSDP2 master weights; bf16 -> fp32 is exact),
+read and cast with numpy in 2 MiB blocks. Verification reads each record back right after it
+is written and compares every tensor's CRC-32 with the CRC-32 of the (cast) source rows. A
+tied model whose files store no ``lm_head.weight`` gets it from the input embedding, as
+``state_dict()`` lists it. The source's config and tokenizer files are copied to
+``hf_assets/`` and listed in ``ckptool.json`` (``config["hf_config"]``,
+``config["hf_assets"]``) for a later export.
 
 Peak memory: one 8 MiB read buffer and its cast per worker; it does not grow with the model.
-Output goes to a temporary folder renamed at the end: ``.distcp`` files (fsynced), assets,
-``.metadata``, deep verification, ``ckptool.json``.
+Output goes to a temporary folder renamed at the end: ``.distcp`` files (fsynced, records
+checked as written), assets, ``.metadata``, verification, ``ckptool.json``.
 """
 
 from __future__ import annotations
@@ -72,7 +75,8 @@ class ImportResult:
         assets: asset files copied into ``hf_assets/``.
         files: output file name -> size in bytes.
         seconds: wall time, verification included.
-        verified: the output passed ``validate --deep`` and per-tensor checksums match.
+        verified: every record was read back as written and passed ``validate --deep``'s
+            record checks, the output validates, and per-tensor checksums match.
     """
 
     source: str
@@ -112,7 +116,8 @@ def import_hf(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, world
         dtype: ``"float32"`` casts floating tensors to float32 (FSDP2 master weights);
             ``"keep"`` keeps the saved dtypes.
         force: replace an existing ``dst``.
-        verify: deep-validate the output and compare per-tensor checksums before committing.
+        verify: check every record as written (as ``validate --deep`` does), validate the
+            output and compare per-tensor checksums before committing.
         progress: called as ``progress(bytes_done, bytes_total)`` from the calling thread.
 
     Returns:
@@ -120,8 +125,7 @@ def import_hf(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, world
 
     Raises:
         CheckpointNotFoundError: no such folder, file or safetensors weights.
-        IncompatibleCheckpointError: pickle weights (``.bin``), refused; or a dtype DCP records
-            cannot hold here.
+        IncompatibleCheckpointError: pickle weights (``.bin``); a dtype DCP records cannot hold.
         CorruptCheckpointError: a hostile or damaged header or index; failed verification.
         HubError: the download failed.
         ConfigError: bad ``world_size``/``dtype``, or ``dst`` exists (without ``force``).
@@ -368,8 +372,8 @@ def _verify(folder: Path, plan: list[_Out], crcs: dict[tuple[str, int], int]) ->
                                   f"{o.dtype} {list(o.src.shape)}")
             want, size = 0, 0
             for c in sorted(t.chunks, key=lambda c: c.offsets):
-                n = c.numel * t.dtype.itemsize
-                want, size = crc32_combine(want, crcs[(o.fqn, c.offsets[0] if c.offsets else 0)], n), size + n
+                n, row = c.numel * t.dtype.itemsize, c.offsets[0] if c.offsets else 0
+                want, size = crc32_combine(want, crcs[(o.fqn, row)], n), size + n
             if tensor_crc(out, t) != (want, size):
                 raise unverified(str(folder), f"{o.fqn} differs from the source rows")
 

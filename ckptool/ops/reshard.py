@@ -8,13 +8,16 @@ a multi-rank source kept whole (replicated buffers) and non-tensor values (``par
 go to rank 0's file, as DCP's planner with ``dedup_save_to_lowest_rank`` does. A one-rank
 source cannot tell parameters from buffers, so all its tensors with dims are sharded.
 
-Bytes move without torch: an output row block is contiguous byte ranges of the source's
-row-block records, copied in 8 MiB blocks (``os.preadv``/``os.write``) while the new record's
-CRC-32 is computed; every source record's stored CRC-32 is checked on the way (pieces combined
+Bytes move without torch, through ``format/dcp_output.py`` (the writer ``import`` shares): an
+output row block is contiguous byte ranges of the source's row-block records, copied in the
+kernel in 8 MiB blocks (``os.copy_file_range``) and re-read from the page cache for the new
+record's CRC-32; every source record's stored CRC-32 is checked on the way (pieces combined
 with ``crc32_combine``), so damaged input is refused, never laundered. Other chunk layouts
 (e.g. 2-D sharding, strided records) are assembled one output chunk at a time with numpy.
-Verification deep-validates the output, then compares each tensor's CRC-32 over its row-major
-bytes, source vs output, derived from the verified per-record CRCs (no extra read).
+Verification reads each record back right after it is written (page cache: parse, dtype and
+shape, CRC-32 of every entry against the bytes in the file), validates the output's index,
+then compares each tensor's CRC-32 over its row-major bytes, source vs output, derived from
+the verified per-record CRCs (no extra read).
 
 Peak memory: one 8 MiB buffer per worker, plus one output chunk for non-row-block layouts.
 Output goes to a temporary folder renamed at the end (``atomic_path``): ``.distcp`` files
@@ -63,7 +66,8 @@ class ReshardResult:
         bytes: tensor data bytes copied.
         files: output file name -> size in bytes (``.distcp`` files and ``.metadata``).
         seconds: wall time, verification included.
-        verified: the output passed ``validate --deep`` and per-tensor checksums match.
+        verified: every record was read back as written and passed ``validate --deep``'s
+            record checks, the output validates, and per-tensor checksums match.
     """
 
     source: str
@@ -90,7 +94,8 @@ def reshard(src: str | os.PathLike[str], dst: str | os.PathLike[str] | None = No
         world_size: ranks of the new layout (1 gives a single-file checkpoint).
         expect_from: if given, the rank count ``src`` must have been saved with.
         force: replace an existing ``dst``.
-        verify: deep-validate the output and compare per-tensor checksums with the source
+        verify: read every record back as it is written (``validate --deep``'s record
+            checks), validate the output and compare per-tensor checksums with the source
             before committing it.
         progress: called as ``progress(bytes_done, bytes_total)`` from the calling thread; an
             exception it raises aborts and removes the partial output.
