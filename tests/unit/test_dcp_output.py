@@ -141,3 +141,32 @@ def test_import_refuses_output_that_differs_from_the_source(tmp_path, monkeypatc
     assert not (tmp_path / "out").exists()
     monkeypatch.undo()
     assert import_hf(src, tmp_path / "out", world_size=2).verified
+
+
+def test_copy_range_falls_back_where_the_kernel_cannot_copy(tmp_path, monkeypatch):
+    import errno
+    import zlib
+
+    import xxhash
+
+    from ckptool.format.dcp_writer import DistcpFile
+
+    def refuse(*args):
+        raise OSError(errno.EXDEV, "cross-device")
+
+    monkeypatch.setattr(os, "copy_file_range", refuse)
+    data = bytes(range(256)) * 100
+    (tmp_path / "src").write_bytes(b"head" + data)
+    fd = os.open(tmp_path / "src", os.O_RDONLY)
+    try:
+        with DistcpFile(tmp_path / "out") as f:
+            f.write(b"x")
+            crc = 0
+            for block in f.copy_range(fd, 4, len(data), bytearray(1000), "src"):
+                crc = zlib.crc32(block, crc)
+    finally:
+        os.close(fd)
+    assert crc == zlib.crc32(data)
+    assert (tmp_path / "out").read_bytes() == b"x" + data
+    assert f.size == 1 + len(data)
+    assert f.digest == xxhash.xxh3_64(b"x" + data).hexdigest()
