@@ -47,9 +47,12 @@ def _flip_in_big(src: Path, dst: Path) -> Path:
 @pytest.mark.parametrize("resident", [True, False], ids=["in-place", "read"])
 @pytest.mark.parametrize("window", [zr.CRC_WINDOW, 256 << 10], ids=["one-window", "windows"])
 def test_flipped_byte_found(saved, tmp_path, monkeypatch, resident, window):
+    asked = []
     monkeypatch.setattr(zr, "CRC_WINDOW", window)
-    monkeypatch.setattr(MappedFile, "resident", lambda self, offset, length: resident)
+    monkeypatch.setattr(MappedFile, "resident",
+                        lambda self, offset, length: asked.append(length) or resident)
     assert validate(saved, deep=True).ok
+    assert sum(asked) >= 3 << 20 and len(asked) >= (3 << 20) // window  # the mapped path ran
     bad = validate(_flip_in_big(saved, tmp_path / "bad"), deep=True)
     assert not bad.ok
     assert [(f.severity, f.code, f.fqn) for f in bad.errors] == [("error", "crc-mismatch", "big")]
