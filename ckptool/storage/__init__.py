@@ -128,9 +128,13 @@ class Storage:
         return self.backend.read_bytes(self.path(rel))
 
     def read_range(self, rel: str, offset: int, length: int) -> bytes:
-        """Read ``length`` bytes at ``offset``; fewer only if the file is shorter."""
-        with self.reader(rel) as r:
+        """Read ``length`` bytes at ``offset``; fewer only if the file is shorter. Remotely one
+        ranged request for exactly those bytes (no read-ahead: the reader is used once)."""
+        r = RangeReader(self, rel, keep_block=False)
+        try:
             return r.pread(offset, length)
+        finally:
+            r.close()
 
     def read_ranges(self, rel: str, ranges: Sequence[tuple[int, int]], *,
                     workers: int = 8) -> list[bytes]:
@@ -185,13 +189,15 @@ class RangeReader:
     """One open file with positional reads (``os.pread`` locally, ranged GETs remotely).
 
     ``pread`` keeps no file position, so several threads may call it at once, on either
-    backend (remotely each call is its own ranged request).
+    backend (remotely each call is its own ranged request). ``keep_block=False`` turns off the
+    remote read-ahead of small reads (``remote.RemoteFile``), for a reader used once.
     """
 
-    def __init__(self, storage: Storage, rel: str) -> None:
+    def __init__(self, storage: Storage, rel: str, *, keep_block: bool = True) -> None:
         self.storage = storage
         self.rel = rel
-        self._file: OpenFile | None = storage.backend.open_file(storage.path(rel))
+        self._file: OpenFile | None = storage.backend.open_file(storage.path(rel),
+                                                                keep_block=keep_block)
 
     def pread(self, offset: int, length: int) -> bytes:
         """``length`` bytes at ``offset``; fewer only at the end of the file."""

@@ -96,8 +96,8 @@ class LocalBackend:
         with open(path, "rb") as f:
             return f.read()
 
-    def open_file(self, path: str) -> LocalFile:
-        return LocalFile(path)
+    def open_file(self, path: str, *, keep_block: bool = True) -> LocalFile:
+        return LocalFile(path)  # the page cache is the kept block here
 
     def makedirs(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)

@@ -19,17 +19,20 @@ class RemoteFile:
     """An open remote file. Each read is its own ranged request (``fs.cat_file(start=,
     end=)``), so ``pread`` is safe to call from several threads at once.
 
-    A read shorter than ``BLOCK`` fetches ``BLOCK`` bytes from its offset and keeps them; later
-    reads inside that block are answered from memory (parsers read a header a few bytes at a
-    time). The kept block is replaced as one tuple, so concurrent readers never see a torn one.
+    With ``keep_block`` (the default), a read shorter than ``BLOCK`` fetches ``BLOCK`` bytes
+    from its offset and keeps them: later reads inside that block are answered from memory
+    (parsers read a header a few bytes at a time), and a read that starts inside it fetches
+    only the rest. The kept block is replaced as one tuple, so concurrent readers never see a
+    torn one. Without it every read fetches exactly its bytes (one-shot reads).
     """
 
     fileno = None
 
-    def __init__(self, fs: Any, path: str) -> None:
+    def __init__(self, fs: Any, path: str, *, keep_block: bool = True) -> None:
         self.fs = fs
         self.path = path
         self.size = int(fs.size(path))  # FileNotFoundError here, as opening would raise
+        self.keep_block = keep_block
         self._block: tuple[int, bytes] = (0, b"")
 
     def pread(self, offset: int, length: int) -> bytes:
@@ -37,9 +40,14 @@ class RemoteFile:
         if end <= offset:
             return b""
         start, data = self._block
-        if start <= offset and end <= start + len(data):
-            return data[offset - start : end - start]
-        if end - offset >= BLOCK:
+        if start <= offset < start + len(data):
+            head = data[offset - start : end - start]
+            return head if offset + len(head) == end else head + self._fetch(offset + len(head), end)
+        return self._fetch(offset, end)
+
+    def _fetch(self, offset: int, end: int) -> bytes:
+        """Bytes ``offset:end`` from the store (``end`` within the file)."""
+        if not self.keep_block or end - offset >= BLOCK:
             return self._get(offset, end)
         data = self._get(offset, min(self.size, offset + BLOCK))
         self._block = (offset, data)
@@ -117,8 +125,8 @@ class FsspecBackend:
     def read_bytes(self, path: str) -> bytes:
         return bytes(self.fs.cat_file(path))
 
-    def open_file(self, path: str) -> RemoteFile:
-        return RemoteFile(self.fs, path)
+    def open_file(self, path: str, *, keep_block: bool = True) -> RemoteFile:
+        return RemoteFile(self.fs, path, keep_block=keep_block)
 
     def makedirs(self, path: str) -> None:
         self.fs.makedirs(path, exist_ok=True)

@@ -95,3 +95,14 @@ def test_remove_checkpoint_leaves_nothing_that_looks_committed(root):
     remove_checkpoint(root, "step_9")  # missing: nothing to do
     assert [e.name for e in root.listdir()] == ["step_2"]  # no hidden leftover either
     assert step_checkpoints(root.child("absent")) == []
+
+
+def test_remote_reads_across_the_kept_block_and_one_shot_reads():
+    st = Storage.open(f"memory://h1-{uuid.uuid4().hex}")
+    big = os.urandom(BLOCK + 5000)
+    st.write_bytes("f", big)
+    with st.reader("f") as r:
+        assert r.pread(10, 4) == big[10:14]  # keeps BLOCK bytes from offset 10
+        assert r.pread(BLOCK, 100) == big[BLOCK:BLOCK + 100]  # starts inside it, ends past it
+        assert r.pread(BLOCK + 4990, 100) == big[BLOCK + 4990:]
+    assert st.read_range("f", 3, 5) == big[3:8]
