@@ -12,7 +12,8 @@ both on loopback, so absolute numbers are not S3's.
 Usage:
     python bench/s3_bench.py [CHECKPOINT] --runs 5 [--markdown docs/BENCHMARKS.md]
 
-Without CHECKPOINT a ~1 GB 4-rank one is made with ``bench/gen_checkpoint.py`` under WORK.
+Without CHECKPOINT a 0.3 GB 4-rank one is made with ``bench/gen_checkpoint.py`` under WORK
+(moto answers every ranged GET by reading the whole object, so its cost grows with file size).
 """
 
 from __future__ import annotations
@@ -138,7 +139,7 @@ def make_checkpoint(work: Path, size_gb: float) -> Path:
     ckpt = work / "src" / "step_1000"
     if not (ckpt / ".metadata").exists():
         subprocess.run([sys.executable, str(Path(__file__).parent / "gen_checkpoint.py"), str(ckpt),
-                        "--ranks", "4", "--size-gb", str(size_gb)], check=True)
+                        "--ranks", "4", "--size-gb", str(size_gb), "--d-model", "512"], check=True)
     return ckpt
 
 
@@ -146,7 +147,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("checkpoint", type=Path, nargs="?",
                     help="a local checkpoint folder to upload (default: make one under WORK)")
-    ap.add_argument("--size-gb", type=float, default=1.0, help="size of the made checkpoint")
+    ap.add_argument("--size-gb", type=float, default=0.3, help="size of the made checkpoint")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--work", type=Path, default=Path("/tmp/ckptool-s3-bench"))
     ap.add_argument("--markdown", type=Path, help="write the table into this file's section")

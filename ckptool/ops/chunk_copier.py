@@ -9,8 +9,9 @@ file; ``whole`` pieces are tensors saved in other boxes, assembled in memory one
   it, so the two overlap on two cores;
 - local source, bytes through Python (a cast, ``verify``): per file one job reads each block
   once (``row_source.read_blocks``): CRC, cast, positioned write;
-- remote source: the records are located in parallel, then every block (``REMOTE_BLOCK``) is
-  its own job, one ranged request written at its output offset, so ``workers`` run at once;
+- remote source: the records are located (a job per file), then the bytes are read as jobs
+  of one ranged request each (``REMOTE_BLOCK``: a block of a big record, or several small
+  records in a row), written at their output offsets, so ``workers`` requests run at once;
   the blocks' CRC-32s are combined per record (``crc32_combine``) and checked at the end.
 
 Memory: one block (plus its cast) per worker, and one full tensor for non-row-block layouts.
@@ -38,6 +39,8 @@ from ckptool.storage import BLOCK
 #: 8 x 16 MiB in flight.
 REMOTE_WORKERS = 8
 REMOTE_BLOCK = 16 << 20
+#: The most bytes between two records' data that one remote request reads over (headers).
+_GAP = 256 << 10
 #: How far ahead of an in-kernel copy the source is asked for.
 READ_AHEAD = 4 * BLOCK
 _FADVISE = hasattr(os, "posix_fadvise")
@@ -55,12 +58,21 @@ class Piece:
 
 
 @dataclass(frozen=True)
-class _Block:
-    """One ranged read of a remote piece's record; ``check``: its CRC-32 counts for the record."""
+class _Part:
+    """Bytes of a remote piece's record to read: ``check``: its CRC-32 counts for the record."""
 
     piece: int
     span: ByteRange
     check: bool
+
+
+@dataclass(frozen=True)
+class _Fetch:
+    """One ranged request of a remote file: ``span`` covers ``parts`` (consecutive in the file,
+    gaps of headers between them), at most ``REMOTE_BLOCK`` bytes."""
+
+    span: ByteRange
+    parts: tuple[_Part, ...]
 
 
 class Copier:
@@ -111,20 +123,20 @@ class Copier:
                          list(files.values()), workers)
         where = {id(p): cb for ps, cbs in zip(files.values(), found) for p, cb in zip(ps, cbs)}
         located = [where[id(p)] for p in pieces]
-        blocks: list[_Block | None] = []
-        jobs: list[Callable[[], int | None]] = []
+        parts: list[_Part] = []
+        jobs: list[Callable[[], list[int] | None]] = []
         for i, (p, cb) in enumerate(zip(pieces, located)):
             if not cb.location.contiguous:
-                blocks.append(None)
                 jobs.append(functools.partial(self._gather_job, p, cb))
                 continue
             span, check = self._span(cb)
-            for part in blocks_of(span, REMOTE_BLOCK):
-                blocks.append(_Block(i, part, check))
-                jobs.append(functools.partial(self._fetch_job, p, cb, blocks[-1]))
+            parts += [_Part(i, s, check) for s in blocks_of(span, REMOTE_BLOCK)]
+        fetches = _coalesce(parts)
+        jobs += [functools.partial(self._fetch_job, pieces, located, f) for f in fetches]
         jobs += [functools.partial(self._whole_job, whole)] if whole else []
-        crcs = run_jobs(self.ticker, lambda job: job(), jobs, workers)
-        self._check_blocks(pieces, located, blocks, crcs)
+        results = run_jobs(self.ticker, lambda job: job(), jobs, workers)
+        crcs = [crc for r in results if r is not None for crc in r]
+        self._check_parts(pieces, located, [q for f in fetches for q in f.parts], crcs)
 
     def _advance(self, n: int) -> None:
         self.ticker.add(n)  # raises Aborted once another job failed
@@ -178,12 +190,16 @@ class Copier:
         if check:
             self._check_crc(p, cb, crc)
 
-    def _fetch_job(self, p: Piece, cb: ChunkBytes, block: _Block) -> int | None:
-        """One ranged read of a remote record: placed in the output; its CRC-32 if it counts."""
+    def _fetch_job(self, pieces: list[Piece], located: list[ChunkBytes], f: _Fetch) -> list[int]:
+        """One ranged request; each part placed in the output; the parts' CRC-32s (0 where
+        they do not count)."""
         self._advance(0)
-        data = read_block(block.span)
-        self._place(p, cb, block.span.start, data)
-        return crc32(data) if block.check else None
+        data, crcs = read_block(f.span), []
+        for q in f.parts:
+            view = data[q.span.start - f.span.start:q.span.start - f.span.start + q.span.length]
+            self._place(pieces[q.piece], located[q.piece], q.span.start, view)
+            crcs.append(crc32(view) if q.check else 0)
+        return crcs
 
     def _span(self, cb: ChunkBytes) -> tuple[ByteRange, bool]:
         """What to read of the chunk's record, and whether to check it: all of the record's
@@ -203,14 +219,13 @@ class Copier:
                                     // loc.dtype.itemsize)
             self._advance(len(out))
 
-    def _check_blocks(self, pieces: list[Piece], located: list[ChunkBytes],
-                      blocks: list[_Block | None], crcs: list[int | None]) -> None:
-        """Combine the remote blocks' CRC-32s (in file order) per record and check them."""
+    def _check_parts(self, pieces: list[Piece], located: list[ChunkBytes], parts: list[_Part],
+                     crcs: list[int]) -> None:
+        """Combine the remote parts' CRC-32s (in file order) per record and check them."""
         combined: dict[int, int] = {}
-        for block, crc in zip(blocks, crcs):
-            if block is not None and block.check:
-                prev = combined.get(block.piece, 0)
-                combined[block.piece] = crc32_combine(prev, crc, block.span.length)  # type: ignore[arg-type]
+        for q, crc in zip(parts, crcs):
+            if q.check:
+                combined[q.piece] = crc32_combine(combined.get(q.piece, 0), crc, q.span.length)
         for i, crc in combined.items():
             self._check_crc(pieces[i], located[i], crc)
 
@@ -263,3 +278,21 @@ def _by_file(pieces: list[Piece]) -> dict[str, list[Piece]]:
     for p in pieces:
         files.setdefault(p.chunk.storage.relative_path, []).append(p)  # type: ignore[union-attr]
     return files
+
+
+def _coalesce(parts: list[_Part]) -> list[_Fetch]:
+    """Consecutive parts of one file (the plan's order) joined into requests of at most
+    ``REMOTE_BLOCK`` bytes when only a small gap (a record's zip headers) lies between them:
+    many small records then cost one request, not one each."""
+    out: list[_Fetch] = []
+    for q in parts:
+        last = out[-1] if out else None
+        if (last is not None and q.span.reader is last.span.reader
+                and 0 <= q.span.start - (last.span.start + last.span.length) <= _GAP
+                and q.span.start + q.span.length - last.span.start <= REMOTE_BLOCK):
+            span = ByteRange(None, q.span.reader, last.span.start, 0,
+                             q.span.start + q.span.length - last.span.start)
+            out[-1] = _Fetch(span, (*last.parts, q))
+        else:
+            out.append(_Fetch(q.span, (q,)))
+    return out
