@@ -17,7 +17,8 @@ from typing import Any
 
 from ckptool.errors import IncompatibleCheckpointError, UnsafeInputError
 from ckptool.format.crc import crc32
-from ckptool.format.dtypes import BY_STORAGE, DType
+from ckptool.format.dtypes import DType
+from ckptool.format.pickle_globals import OBJECT_GLOBALS, TENSOR_GLOBALS, SavedBytes, _TensorStub, _storage_pid
 from ckptool.format.safe_pickle import UnsafePickleError, safe_loads
 from ckptool.format.zip_records import ZipEntry, ZipRecord
 
@@ -85,7 +86,7 @@ class RecordReader(ZipRecord):
             raise IncompatibleCheckpointError(f"{self.where} was saved big-endian", path=self.where)
         pkl = self.read_entry(self.find("data.pkl"))  # type: ignore[arg-type]
         try:
-            obj = safe_loads(pkl, _TENSOR_GLOBALS, persistent_load=_storage_pid)
+            obj = safe_loads(pkl, TENSOR_GLOBALS, persistent_load=_storage_pid)
         except UnsafePickleError as e:
             raise self._bad(f"data.pkl references {e.module}.{e.name}, which no tensor record "
                             "contains (possibly malicious; nothing was run)", UnsafeInputError) from None
@@ -113,7 +114,7 @@ class RecordReader(ZipRecord):
         """
         pkl = self.read_entry(self.find("data.pkl") or self._missing_pkl())
         try:
-            return safe_loads(pkl, _OBJECT_GLOBALS, persistent_load=_storage_pid)
+            return safe_loads(pkl, OBJECT_GLOBALS, persistent_load=_storage_pid)
         except UnsafePickleError as e:
             raise self._bad(f"data.pkl references {e.module}.{e.name}, which is not allowed in "
                             "a checkpoint value (possibly malicious; nothing was run)",
@@ -172,91 +173,4 @@ def _span(shape: tuple[int, ...], strides: tuple[int, ...]) -> int:
     if any(d == 0 for d in shape):
         return 0
     return 1 + sum((d - 1) * s for d, s in zip(shape, strides))
-
-
-@dataclass(frozen=True)
-class _StorageStub:
-    dtype: DType
-    key: str
-    numel: int
-
-
-@dataclass(frozen=True)
-class _TensorStub:
-    storage: _StorageStub
-    offset: int
-    shape: tuple[int, ...]
-    strides: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class _StorageType:
-    dtype: DType
-
-
-def _storage_pid(pid: Any) -> _StorageStub:
-    # torch.save's zip format: ('storage', storage_type, key, location, numel)
-    if (not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage"
-            or not isinstance(pid[1], _StorageType) or not isinstance(pid[2], str)
-            or type(pid[4]) is not int or pid[4] < 0 or not pid[2].isdigit()):
-        raise ValueError(f"unexpected persistent id {pid!r}")
-    return _StorageStub(pid[1].dtype, pid[2], pid[4])
-
-
-def _rebuild_tensor_v2(storage: Any, offset: Any, size: Any, stride: Any, *_rest: Any) -> _TensorStub:
-    if not isinstance(storage, _StorageStub):
-        raise ValueError("tensor without storage")
-    dims = (offset, *size, *stride)
-    if not all(type(x) is int and x >= 0 for x in dims) or len(size) != len(stride):
-        raise ValueError("bad tensor geometry")
-    return _TensorStub(storage, offset, tuple(size), tuple(stride))
-
-
-_TENSOR_GLOBALS: dict[tuple[str, str], Any] = {
-    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
-    ("torch", "Size"): lambda dims=(): tuple(dims),
-    **{("torch", name): _StorageType(dt) for name, dt in BY_STORAGE.items()},
-}
-
-
-class SavedBytes:
-    """An ``io.BytesIO`` value of a state dict, as data: its bytes, nothing else.
-
-    DCP's default planner saves every non-tensor value with ``torch.save``, a ``BytesIO`` too,
-    so its record pickles ``_io.BytesIO``: NEWOBJ (``BytesIO.__new__``) then BUILD with the
-    object's state ``(value, position, __dict__)``. This stand-in accepts exactly that shape
-    (type-checked) and keeps only ``data``; nothing in it can run code. (torchtitan's older
-    ``train_state`` held three, each a ``torch.save`` archive of a list: opaque bytes here.)
-    """
-
-    __slots__ = ("data",)
-
-    def __init__(self, initial: Any = b"") -> None:  # a hand-made REDUCE(BytesIO, (b"...",))
-        self.data = _bytes_of(initial)
-
-    def __setstate__(self, state: Any) -> None:
-        if not (isinstance(state, tuple) and len(state) == 3 and type(state[1]) is int
-                and (state[2] is None or type(state[2]) is dict)):
-            raise ValueError("bad state for io.BytesIO")
-        self.data = _bytes_of(state[0])
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, SavedBytes) and other.data == self.data
-
-    def __hash__(self) -> int:
-        return hash(self.data)
-
-    def __repr__(self) -> str:
-        return f"SavedBytes({len(self.data)} bytes)"
-
-
-def _bytes_of(value: Any) -> bytes:
-    if type(value) not in (bytes, bytearray):
-        raise ValueError(f"io.BytesIO value is a {type(value).__name__}, not bytes")
-    return bytes(value)
-
-
-#: What a non-tensor value's record may name: the tensor globals (a value may hold tensors)
-#: and ``io.BytesIO`` as ``SavedBytes``.
-_OBJECT_GLOBALS: dict[tuple[str, str], Any] = {**_TENSOR_GLOBALS, ("_io", "BytesIO"): SavedBytes}
 
