@@ -181,14 +181,14 @@ class RangedFile:
     """One file of a remote folder read by ranged requests (``Storage.read_range``): the
     ``RangeReader`` interface without a shared handle, so threads may read it at once.
 
-    A read under ``WINDOW`` (1 MiB) fetches ``WINDOW`` bytes from its offset; the last two are
+    A read under ``WINDOW`` (4 MiB) fetches ``WINDOW`` bytes from its offset; the last two are
     kept (per thread) for the next small reads: a record's headers and pickle lie together,
     and its zip directory just before the next record's, so locating the records of a file in
     order costs about one request each instead of one per header.
     """
 
     fileno = None
-    WINDOW = 1 << 20
+    WINDOW = 4 << 20
 
     def __init__(self, storage: Storage, rel: str) -> None:
         self.storage = storage
