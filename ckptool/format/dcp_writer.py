@@ -36,6 +36,8 @@ from ckptool.format.crc import crc32
 from ckptool.format.metadata import METADATA, CheckpointMetadata, StorageRef
 
 _FADVISE = hasattr(os, "posix_fadvise")
+#: ``DistcpFile.copy_range`` asks the kernel to read this far ahead of the copy.
+READ_AHEAD = 32 << 20
 _MAX32 = 0xFFFFFFFF
 _ALIGN = 64
 _ARCHIVE = "archive/"
@@ -310,11 +312,13 @@ class DistcpFile:
             CorruptCheckpointError: ``fd`` ends before (``where`` names it).
         """
         view, end = memoryview(buf), offset + length
+        advised = offset  # the source is asked for up to READ_AHEAD bytes ahead of the copy
         while offset < end:
             want = min(len(buf), end - offset)
-            if _FADVISE and offset + want < end:  # read the next block ahead, meanwhile
-                os.posix_fadvise(fd, offset + want, min(len(buf), end - offset - want),
-                                 os.POSIX_FADV_WILLNEED)
+            ahead = min(end, offset + READ_AHEAD)
+            if _FADVISE and ahead > advised:  # alone, the copy reads a cold file in small steps
+                os.posix_fadvise(fd, advised, ahead - advised, os.POSIX_FADV_WILLNEED)
+                advised = ahead
             n = self._copy(fd, offset, want, view)
             if n <= 0 or os.preadv(fd, [view[:n]], offset) != n:
                 raise CorruptCheckpointError(f"{where} ended while reading it (changed "
