@@ -8,8 +8,8 @@ pickle may use), then converted to the plain, validated model below. torch is ne
 
 Owns: the index model (``CheckpointMetadata``, ``TensorEntry``, ``Chunk``, ``StorageRef``).
 Which keys are the model, the optimizer or the rest is ``state_layout.py``'s business; bytes
-inside ``.distcp`` records are ``torch_records.py``'s; checking geometry and files is
-``ops/validate.py``'s.
+inside ``.distcp`` records are ``zip_records.py``'s and ``torch_records.py``'s; checking
+geometry and files is ``ops/validate.py``'s (``ops/chunk_geometry.py``).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Owns turning SRC (a Hugging Face model folder, a Hub repo id ``org/name[@rev]``, or a
 ``config.json`` alone for a random init) into what the loop trains: the sharded model, its
 batches and a ``Checkpointer`` that records the HF config and asset files. The loop itself,
-resume and saving are ``loop.py``'s and ``checkpoint.py``'s, unchanged. Resolving SRC to its files
+resume and saving are ``loop.py``'s and ``ckptool.checkpoint``'s, unchanged. Resolving SRC to its files
 is ``hf_resolve.py``'s; reading the weights into the shards ``hf_weights.py``'s.
 
 How the model is built (no rank ever holds the full model):

@@ -6,7 +6,7 @@ checkpoint, does the checkpoint to resume hold the same model (its ``ckptool.jso
 records the model config), and what changes on resume (rank count, sharding, LR schedule,
 batch). Starting ranks costs seconds (a torch import per rank); these answers cost
 milliseconds, so the launcher asks them first and the loop asks the model question again on
-rank 0 when an external launcher started it. Loading itself is ``checkpoint.py``'s.
+rank 0 when an external launcher started it. Loading itself is ``ckptool.checkpoint``'s.
 """
 
 from __future__ import annotations
