@@ -9,8 +9,10 @@ files, empty files and systems without ``mmap`` get None from ``MappedFile.open`
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
+from collections.abc import Iterator
 
 _NOWAIT = getattr(os, "RWF_NOWAIT", None)
 
@@ -74,3 +76,42 @@ class MappedFile:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def cached_window(fd: int | None, offset: int, length: int) -> Iterator[memoryview | None]:
+    """The bytes ``[offset, offset + length)`` of the open local file ``fd`` where they lie in
+    the page cache (a read-only mapping of just that window, unmapped on exit: resident memory
+    stays bounded by one window); None when ``fd`` is None, the window is not all cached (a
+    cold read is faster with ``pread``) or it cannot be mapped. The view must not outlive the
+    ``with`` block, and the file must not shrink meanwhile."""
+    if fd is None or length <= 0 or not _all_resident(fd, offset, length):
+        yield None
+        return
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    try:
+        window = mmap.mmap(fd, offset + length - start, prot=mmap.PROT_READ, offset=start)
+    except (OSError, ValueError, OverflowError):
+        yield None
+        return
+    view = memoryview(window)[offset - start:]
+    try:
+        yield view
+    finally:
+        view.release()
+        with contextlib.suppress(BufferError):  # a caller kept a view: it holds the mapping
+            window.close()
+
+
+def _all_resident(fd: int, offset: int, length: int) -> bool:
+    """Is every 2 MiB step of the range in the page cache (one-byte reads that may not wait)?"""
+    if _NOWAIT is None:
+        return False
+    probe = bytearray(1)
+    for at in [*range(offset, offset + length, 2 << 20), offset + length - 1]:
+        try:
+            if os.preadv(fd, [probe], at, _NOWAIT) != 1:
+                return False
+        except OSError:  # BlockingIOError: not cached; others: flag not supported
+            return False
+    return True

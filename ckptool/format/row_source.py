@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from ckptool.errors import CorruptCheckpointError
 from ckptool.format.crc import crc32_combine
+from ckptool.format.mapped_file import cached_window
 from ckptool.format.metadata import Chunk, TensorEntry
 from ckptool.format.reader import CheckpointReader, ChunkBytes
 from ckptool.storage import BLOCK, RangeReader, Storage
@@ -134,11 +135,20 @@ def assemble_rows(ck: CheckpointReader, t: TensorEntry, lo: int, hi: int) -> byt
     return out.tobytes()
 
 
-def read_blocks(r: ByteRange, buf: bytearray) -> Iterator[memoryview]:
+def read_blocks(r: ByteRange, buf: bytearray, *, in_place: bool = False) -> Iterator[memoryview]:
     """The range in pieces of at most ``len(buf)`` bytes (views of ``buf`` for local files),
-    the next piece of a local file read ahead (``POSIX_FADV_WILLNEED``) meanwhile."""
+    the next piece of a local file read ahead (``POSIX_FADV_WILLNEED``) meanwhile.
+
+    ``in_place``: for bytes that are only looked at (checksums), a piece of a local file that
+    the page cache holds is a view of a mapping of it, not a copy. Each view is valid until the
+    next piece is taken."""
     parts, fd = blocks_of(r, len(buf)), r.reader.fileno
     for i, part in enumerate(parts):
+        if in_place:
+            with cached_window(fd, part.start, part.length) as cached:
+                if cached is not None:
+                    yield cached
+                    continue
         if _FADVISE and fd is not None and i + 1 < len(parts):
             os.posix_fadvise(fd, parts[i + 1].start, parts[i + 1].length, os.POSIX_FADV_WILLNEED)
         yield read_block(part, buf)

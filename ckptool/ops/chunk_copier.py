@@ -174,7 +174,7 @@ class Copier:
             if not cb.has_crc:  # a safetensors range: no checksum to check
                 continue
             crc = 0
-            for data in read_blocks(self._span(cb)[0], buf):
+            for data in read_blocks(self._span(cb)[0], buf, in_place=True):
                 crc = crc32(data, crc)
                 self._advance(0)
             self._check_crc(p, cb, crc)
