@@ -15,7 +15,7 @@ import statistics
 from collections.abc import Callable
 from pathlib import Path
 
-from _common import check, drop_caches, fmt, run_once, tool_table
+from _common import check, drop_caches, fmt, precompile, run_once, tool_table
 
 CACHE_CHOICES = ("cold", "warm", "both")
 #: issue 15: wall + sync of a ckptool op <= this times ``cp -r`` + sync of the same bytes.
@@ -47,6 +47,7 @@ def measure(tools: Tools, src: Path, *, runs: int, modes: list[str],
 
     ``skip(name, i)`` leaves run ``i`` of a tool out (e.g. fewer runs of a slow peer route).
     """
+    precompile()
     results: Results = {m: {k: [] for k in tools} for m in modes}
     dropped = True
     for i in range(runs):
@@ -54,7 +55,7 @@ def measure(tools: Tools, src: Path, *, runs: int, modes: list[str],
             for name, (cmd, out) in tools.items():
                 if skip is not None and skip(name, i):
                     continue
-                shutil.rmtree(out, ignore_errors=True)
+                remove(out)
                 if mode == "cold":
                     dropped &= drop_caches()
                 else:
@@ -64,8 +65,16 @@ def measure(tools: Tools, src: Path, *, runs: int, modes: list[str],
                 results[mode][name].append(r)
                 shown = {k: round(v, 3) for k, v in r.items()}
                 print(f"run {i + 1} {mode} {name}: {shown}", flush=True)
-                shutil.rmtree(out, ignore_errors=True)
+                remove(out)
     return results, dropped
+
+
+def remove(out: Path) -> None:
+    """Delete a run's output, a folder or a single file."""
+    if out.is_dir():
+        shutil.rmtree(out)
+    else:
+        out.unlink(missing_ok=True)
 
 
 def medians(results: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, float]]:

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import drop_caches, run_once, write_section  # noqa: E402
+from _common import drop_caches, precompile, run_once, write_section  # noqa: E402
 
 SECTION = "## validate --deep on a large checkpoint"
 
@@ -143,6 +143,7 @@ def folder_bench(folder: Path, runs: int) -> str:
     cmds = {"cat": ["sh", "-c", 'cat "$@" > /dev/null', "cat", *files],
             "ckptool validate --deep": [*tool, "validate", "--deep", str(folder)]}
     walls: dict[tuple[str, str], list[float]] = {}
+    precompile()
     run_once(cmds["cat"])  # fill the page cache
     for cache in ("warm", "cold"):
         if cache == "cold" and not drop_caches():
@@ -154,7 +155,7 @@ def folder_bench(folder: Path, runs: int) -> str:
                 wall = run_once(cmd)["wall"]
                 walls.setdefault((name, cache), []).append(wall)
                 print(f"run {i + 1} {cache} {name}: {wall:.3f} s", file=sys.stderr, flush=True)
-    lines = [f"Checkpoint `{folder}`: {len(files)} files, {size / 2**30:.2f} GiB; "
+    lines = [SECTION, "", f"Checkpoint `{folder}`: {len(files)} files, {size / 2**30:.2f} GiB; "
              f"{os.cpu_count()} cores; load average {os.getloadavg()[1]:.1f}; {runs} runs each, "
              "alternating, wall time of the whole command.", "",
              "| what | cache | seconds min / median / max | throughput (median) |",
