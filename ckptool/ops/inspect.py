@@ -7,39 +7,38 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 from ckptool.errors import CkptError
 from ckptool.format import manifest as mf
-from ckptool.format.checkpoint_dirs import CheckpointDir, classify, list_checkpoints, resolve_checkpoint
+from ckptool.format.checkpoint_dirs import (
+    CheckpointDir,
+    classify,
+    list_checkpoints,
+    resolve_checkpoint,
+)
 from ckptool.format.metadata import CheckpointMetadata, read_metadata
 from ckptool.format.state_layout import StateLayout, describe, read_layout
+from ckptool.format.text_enum import TextEnum
 from ckptool.ops.validate import validate
 from ckptool.storage import Storage
 
 GROUPS = ("model", "optimizer", "other")
 
 
-class KeyKind(str, Enum):
+class KeyKind(TextEnum):
     """What a saved key holds. A ``str``: ``KeyKind.TENSOR == "tensor"``; JSON shows "tensor"."""
 
     TENSOR = "tensor"
     OBJECT = "object"  # any other value (step, RNG state, ...), pickled
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class RunStatus(str, Enum):
+class RunStatus(TextEnum):
     """A checkpoint's state in a run folder. A ``str``: ``RunStatus.COMPLETE == "complete"``."""
 
     COMPLETE = "complete"  # committed and structurally valid
     INCOMPLETE = "incomplete"  # not committed (no .metadata): the save never finished
     INVALID = "invalid"  # committed, but validate found an error
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,6 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +31,23 @@ from ckptool._version import __version__
 from ckptool.errors import CheckpointNotFoundError, ConfigError, NoCheckpointError
 from ckptool.format.hf_source import ASSET_NAMES
 from ckptool.format.safetensors_writer import INDEX_NAME, SINGLE_NAME
-from ckptool.ops.hub_upload import NOT_LOGGED_IN, RESUME_HINT, HubSession, login, send_folder
+from ckptool.format.text_enum import TextEnum
+from ckptool.ops.hub_upload import (
+    NOT_LOGGED_IN,
+    RESUME_HINT,
+    HubSession,
+    login,
+    send_folder,
+)
 from ckptool.ops.hub_upload import hub_error as _hub_error  # noqa: F401  (tests import it here)
 from ckptool.ops.model_card import MODEL_TYPE, CardFacts, model_card, model_config_json
-from ckptool.ops.weight_checks import Weights, check_weights, not_sent, read_index, shown
+from ckptool.ops.weight_checks import (
+    Weights,
+    check_weights,
+    not_sent,
+    read_index,
+    shown,
+)
 from ckptool.storage import is_url
 
 Progress = Callable[[int, int], None]
@@ -44,15 +56,12 @@ __all__ = ["NOT_LOGGED_IN", "RESUME_HINT", "SourceKind", "UploadFile", "UploadRe
 PASS_THROUGH = ("README.md", *ASSET_NAMES)  # config, generation config, tokenizer files
 
 
-class SourceKind(str, Enum):
+class SourceKind(TextEnum):
     """What PATH was: one safetensors file, a folder of HF-style shards, or a DCP checkpoint."""
 
     SAFETENSORS = "safetensors"
     SHARDS = "shards"
     DCP = "dcp"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True)

@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 
 from ckptool.format.metadata import CheckpointMetadata
+from ckptool.format.text_enum import TextEnum
 
 
-class Severity(str, Enum):
+class Severity(TextEnum):
     """How bad a finding is. A ``str``: ``Severity.ERROR == "error"``, and JSON shows "error"."""
 
     ERROR = "error"
     WARNING = "warning"
     NOTE = "note"  # a fact worth knowing, not a problem
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True)
