@@ -7,8 +7,7 @@ piece read is kept so ``check_crcs`` can prove each source record's stored CRC-3
 combined with ``crc32_combine``); damaged input is refused, never laundered.
 ``tensor_crc``/``tensor_digest`` give a whole tensor's row-major CRC-32 or xxh3 for
 verification. ``read_block`` is the one read of a byte range (``read_blocks`` loops it;
-``blocks_of`` cuts a range for parallel reads); ``SharedReader`` opens a checkpoint so worker
-threads may read it at once, remote files by exact ranged requests (``RangedFile``).
+``blocks_of`` cuts a range for parallel reads).
 Torch-free (numpy for non-row-block layouts).
 """
 
@@ -16,7 +15,6 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,7 +24,7 @@ from ckptool.format.crc import crc32_combine
 from ckptool.format.mapped_file import cached_window
 from ckptool.format.metadata import Chunk, TensorEntry
 from ckptool.format.reader import CheckpointReader, ChunkBytes
-from ckptool.storage import BLOCK, RangeReader, Storage
+from ckptool.storage import BLOCK, RangeReader
 
 _FADVISE = hasattr(os, "posix_fadvise")
 
@@ -185,52 +183,6 @@ def read_block(r: ByteRange, buf: bytearray | None = None) -> memoryview:
                                      path=r.reader.storage.url,
                                      hint="Run 'ckptool validate --deep' for details")
     return data
-
-
-class RangedFile:
-    """One file of a remote folder read by ranged requests (``Storage.read_range``): the
-    ``RangeReader`` interface without a shared handle, so threads may read it at once.
-
-    A read under ``WINDOW`` (4 MiB) fetches ``WINDOW`` bytes from its offset; the last two are
-    kept (per thread) for the next small reads: a record's headers and pickle lie together,
-    and its zip directory just before the next record's, so locating the records of a file in
-    order costs about one request each instead of one per header.
-    """
-
-    fileno = None
-    WINDOW = 4 << 20
-
-    def __init__(self, storage: Storage, rel: str) -> None:
-        self.storage = storage
-        self.rel = rel
-        self._window = threading.local()
-
-    def pread(self, offset: int, length: int) -> bytes:
-        if length >= self.WINDOW:
-            return self.storage.read_range(self.rel, offset, length)
-        kept = getattr(self._window, "kept", [])
-        for base, data in kept:
-            if base <= offset and offset + length <= base + len(data):
-                return data[offset - base:offset + length - base]
-        data = self.storage.read_range(self.rel, offset, self.WINDOW)
-        self._window.kept = [(offset, data)] + kept[:1]  # the last two windows
-        return data[:length]
-
-    def close(self) -> None:
-        pass
-
-
-class SharedReader(CheckpointReader):
-    """A ``CheckpointReader`` that worker threads may share: local files by ``os.pread`` on
-    one descriptor each, remote files as ``RangedFile`` (one ranged request per read)."""
-
-    def reader(self, rel: str) -> RangeReader:
-        if self.storage.is_local:
-            return super().reader(rel)
-        r = self._readers.get(rel)
-        if r is None:
-            r = self._readers[rel] = RangedFile(self.storage, rel)  # type: ignore[assignment]
-        return r
 
 
 def tensor_crc(src: RowSource, t: TensorEntry) -> tuple[int, int] | None:

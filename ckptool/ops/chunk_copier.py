@@ -79,8 +79,8 @@ class Copier:
     """Moves chunk bytes into open output files (see the module docstring for the jobs).
 
     ``inline``: the bytes pass through Python (a cast or ``verify``); ``track``: every write
-    is hashed so ``OutputFile.verify`` can re-read it. ``ck`` must be safe to share between
-    threads for a remote source (``row_source.SharedReader``).
+    is hashed so ``OutputFile.verify`` can re-read it. Worker threads share ``ck``'s readers
+    (opened here first): ``pread`` keeps no position, locally or remotely.
     """
 
     def __init__(self, ck: CheckpointReader, *, check_crc: bool, track: bool, inline: bool) -> None:
@@ -117,7 +117,7 @@ class Copier:
 
     def _run_remote(self, pieces: list[Piece], whole: list[Piece], workers: int) -> None:
         # One locating job per file, front to back: a record's tail and the next record's
-        # headers then come in one request (``RangedFile.WINDOW``).
+        # headers then come in one request (``storage.remote.RemoteFile.WINDOW``).
         files = _by_file(pieces)
         found = run_jobs(self.ticker, lambda ps: [self.ck.locate(p.tensor, p.chunk) for p in ps],
                          list(files.values()), workers)

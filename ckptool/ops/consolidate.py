@@ -38,7 +38,6 @@ from ckptool.format.metadata import CheckpointMetadata, TensorEntry
 from ckptool.format.state_layout import StateLayout, read_layout
 from ckptool.format.copy_engine import Progress
 from ckptool.format.reader import CheckpointReader
-from ckptool.format.row_source import SharedReader
 from ckptool.format.safetensors_writer import (CASTABLE, INDEX_NAME, FileLayout, StagedOutput,
                                                TensorSpec, index_json, plan_file, shard_filenames,
                                                split_shards)
@@ -144,7 +143,7 @@ def _write(plan: _Plan, staged: StagedOutput, *, verify: bool, check_crc: bool,
     written (final paths), index last."""
     inline = plan.cast is not None or verify
     dst, single = staged.dst, staged.single
-    with SharedReader(plan.storage, plan.meta) as ck, staged as out_dir:
+    with CheckpointReader(plan.storage, plan.meta) as ck, staged as out_dir:
         paths = [out_dir] if single else [out_dir / lay.filename for lay in plan.layouts]
         copier = Copier(ck, check_crc=check_crc, track=verify, inline=inline)
         copier.run(paths, plan.layouts, plan.pieces, plan.whole, workers, progress)

@@ -9,55 +9,58 @@ and listings of a root are made fresh (``exists``/``isdir`` with ``fresh=True``,
 from __future__ import annotations
 
 import posixpath
+import threading
 from typing import Any
 
 from ckptool.errors import CheckpointNotFoundError
-from ckptool.storage.base import BLOCK, Entry
+from ckptool.storage.base import Entry
 
 
 class RemoteFile:
     """An open remote file. Each read is its own ranged request (``fs.cat_file(start=,
     end=)``), so ``pread`` is safe to call from several threads at once.
 
-    With ``keep_block`` (the default), a read shorter than ``BLOCK`` fetches ``BLOCK`` bytes
-    from its offset and keeps them: later reads inside that block are answered from memory
-    (parsers read a header a few bytes at a time), and a read that starts inside it fetches
-    only the rest. The kept block is replaced as one tuple, so concurrent readers never see a
-    torn one. Without it every read fetches exactly its bytes (one-shot reads).
+    With ``keep_block`` (the default), a read shorter than ``WINDOW`` fetches ``WINDOW`` bytes
+    from its offset, and each thread keeps its last two such windows: later reads inside one
+    are answered from memory (parsers read a header a few bytes at a time; a record's zip
+    directory lies just before the next record's headers, so locating a file's records in
+    order costs about one request each), and a read that starts inside one fetches only the
+    rest. Without it every read fetches exactly its bytes (one-shot reads).
     """
 
     fileno = None
+    WINDOW = 4 << 20
 
     def __init__(self, fs: Any, path: str, *, keep_block: bool = True) -> None:
         self.fs = fs
         self.path = path
         self.size = int(fs.size(path))  # FileNotFoundError here, as opening would raise
         self.keep_block = keep_block
-        self._block: tuple[int, bytes] = (0, b"")
+        self._kept = threading.local()  # .windows: [(start, bytes)], newest first
 
     def pread(self, offset: int, length: int) -> bytes:
         end = min(offset + length, self.size)
         if end <= offset:
             return b""
-        start, data = self._block
-        if start <= offset < start + len(data):
-            head = data[offset - start : end - start]
-            return head if offset + len(head) == end else head + self._fetch(offset + len(head), end)
+        for start, data in getattr(self._kept, "windows", ()):
+            if start <= offset < start + len(data):
+                head = data[offset - start : end - start]
+                return head if offset + len(head) == end else head + self._fetch(offset + len(head), end)
         return self._fetch(offset, end)
 
     def _fetch(self, offset: int, end: int) -> bytes:
         """Bytes ``offset:end`` from the store (``end`` within the file)."""
-        if not self.keep_block or end - offset >= BLOCK:
+        if not self.keep_block or end - offset >= self.WINDOW:
             return self._get(offset, end)
-        data = self._get(offset, min(self.size, offset + BLOCK))
-        self._block = (offset, data)
+        data = self._get(offset, min(self.size, offset + self.WINDOW))
+        self._kept.windows = [(offset, data), *getattr(self._kept, "windows", ())[:1]]
         return data[: end - offset]
 
     def _get(self, start: int, end: int) -> bytes:
         return bytes(self.fs.cat_file(self.path, start=start, end=end))
 
     def close(self) -> None:
-        self._block = (0, b"")
+        self._kept = threading.local()
 
 
 class FsspecBackend:
