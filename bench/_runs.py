@@ -118,11 +118,21 @@ def versus_line(results: dict[str, list[dict[str, float]]], other: str, main: st
             "(for information; no target)"]
 
 
-def add_run_options(ap) -> None:
-    """``--runs`` and ``--cache``, the same in every bench that uses ``measure``."""
+def add_run_options(ap, *, work: str) -> None:
+    """``--runs``, ``--cache``, ``--work``, ``--only`` and ``--markdown``, the same in every
+    bench that uses ``measure``."""
     ap.add_argument("--runs", type=int, default=5, help="runs per tool and cache mode (default 5)")
     ap.add_argument("--cache", choices=CACHE_CHOICES, default="both",
                     help="page cache before each run: cold (dropped), warm, or both (default)")
+    ap.add_argument("--work", type=Path, default=Path(work))
+    ap.add_argument("--only", action="append",
+                    help="run only the tools whose names start with this (repeatable)")
+    ap.add_argument("--markdown", type=Path, help="write the table into this file's section")
+
+
+def select(tools: Tools, only: list[str] | None) -> Tools:
+    """The tools ``--only`` names (by the start of their names); all without it."""
+    return {k: v for k, v in tools.items() if not only or any(k.startswith(o) for o in only)}
 
 
 def loads_text(results: Results) -> str:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import check, fmt, mem_gib, write_section  # noqa: E402
-from _runs import add_run_options, measure, medians, mode_label, modes_of, targets  # noqa: E402
+from _runs import add_run_options, measure, medians, mode_label, modes_of, select, targets  # noqa: E402
 
 SECTION = "## consolidate"
 
@@ -110,10 +110,7 @@ def accelerate_targets(results: dict[str, list[dict[str, float]]]) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("checkpoint", type=Path)
-    add_run_options(ap)
-    ap.add_argument("--work", type=Path, default=Path("/tmp/ckptool-consolidate-bench"))
-    ap.add_argument("--only", action="append", help="run only these tools (repeatable)")
-    ap.add_argument("--markdown", type=Path, help="write the table into this file's section")
+    add_run_options(ap, work="/tmp/ckptool-consolidate-bench")
     ap.add_argument("--render-only", action="store_true",
                     help="do not run anything: render WORK/results.json of an earlier run")
     args = ap.parse_args()
@@ -122,8 +119,7 @@ def main() -> None:
         results, info = saved["results"], saved["info"]
     else:
         args.work.mkdir(parents=True, exist_ok=True)
-        selected = {k: v for k, v in tools(args.checkpoint, args.work).items()
-                    if not args.only or k in args.only}
+        selected = select(tools(args.checkpoint, args.work), args.only)
         load0 = os.getloadavg()[1]
         results, dropped = measure(selected, args.checkpoint, runs=args.runs,
                                    modes=modes_of(args.cache))

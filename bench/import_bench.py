@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import mem_gib, record_rss, spawn_ranks, write_section  # noqa: E402
 from _runs import (Results, add_run_options, loads_text, measure,  # noqa: E402
-                   mode_sections, modes_of)
+                   mode_sections, modes_of, select)
 
 SECTION = "## import"
 SHAPES = {"hidden": 2048, "ff": 5632, "heads": 32, "kv_heads": 4, "vocab": 32000}
@@ -185,12 +185,9 @@ def main() -> None:
     ap.add_argument("--to", type=int, default=8, help="rank count of the output (default 8)")
     ap.add_argument("--peer-ranks", type=int, default=None, help="ranks of the peers' way "
                     "(default: --to)")
-    add_run_options(ap)
+    add_run_options(ap, work="/tmp/ckptool-import-bench")
     ap.add_argument("--peer-runs", type=int, default=None,
                     help="runs of the (slow) peers' way (default: --runs)")
-    ap.add_argument("--work", type=Path, default=Path("/tmp/ckptool-import-bench"))
-    ap.add_argument("--only", action="append", help="run only these tools (repeatable)")
-    ap.add_argument("--markdown", type=Path, help="write the table into this file's section")
     ap.add_argument("--section", default=None, help="markdown heading (default: '## import')")
     ap.add_argument("--gen", type=Path, help="write a source folder here and exit")
     ap.add_argument("--dtype", default="bfloat16", help="--gen: dtype of the tensors")
@@ -205,8 +202,7 @@ def main() -> None:
         ap.error("SOURCE is required")
     args.work.mkdir(parents=True, exist_ok=True)
     peer_ranks = args.peer_ranks or args.to
-    selected = {k: v for k, v in tools(args.source, args.work, args.to, peer_ranks).items()
-                if not args.only or any(k.startswith(o) for o in args.only)}
+    selected = select(tools(args.source, args.work, args.to, peer_ranks), args.only)
     peer_runs = min(args.peer_runs or args.runs, args.runs)
     results, dropped = measure(
         selected, args.source, runs=args.runs, modes=modes_of(args.cache),

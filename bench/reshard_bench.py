@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import mem_gib, record_rss, spawn_ranks, write_section  # noqa: E402
 from _runs import (Results, add_run_options, loads_text, measure,  # noqa: E402
-                   mode_sections, modes_of)
+                   mode_sections, modes_of, select)
 
 SECTION = "## reshard"
 
@@ -139,10 +139,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("checkpoint", type=Path, nargs="?")
     ap.add_argument("--to", type=int, default=4, help="target rank count (default 4)")
-    add_run_options(ap)
-    ap.add_argument("--work", type=Path, default=Path("/tmp/ckptool-reshard-bench"))
-    ap.add_argument("--only", action="append", help="run only these tools (repeatable)")
-    ap.add_argument("--markdown", type=Path, help="write the table into this file's section")
+    add_run_options(ap, work="/tmp/ckptool-reshard-bench")
     ap.add_argument("--dcp-route", nargs=2, metavar=("SRC", "DST"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.dcp_route:
@@ -150,8 +147,7 @@ def main() -> None:
     if args.checkpoint is None:
         ap.error("CHECKPOINT is required")
     args.work.mkdir(parents=True, exist_ok=True)
-    selected = {k: v for k, v in tools(args.checkpoint, args.work, args.to).items()
-                if not args.only or k in args.only}
+    selected = select(tools(args.checkpoint, args.work, args.to), args.only)
     results, dropped = measure(selected, args.checkpoint, runs=args.runs,
                                modes=modes_of(args.cache))
     info = {**describe(args.checkpoint, args.to), "runs": args.runs, "dropped": dropped,
