@@ -136,20 +136,6 @@ class Storage:
         finally:
             r.close()
 
-    def read_ranges(self, rel: str, ranges: Sequence[tuple[int, int]], *,
-                    workers: int = 8) -> list[bytes]:
-        """The bytes of each ``(offset, length)`` of one file, in the order given.
-
-        Remote ranges are fetched by up to ``workers`` threads at once (each one ranged
-        request); local ones are read in turn (``os.pread`` of a page-cached file gains
-        nothing from threads).
-        """
-        with self.reader(rel) as r:
-            if self.is_local or workers <= 1 or len(ranges) <= 1:
-                return [r.pread(o, n) for o, n in ranges]
-            with ThreadPoolExecutor(min(workers, len(ranges))) as pool:
-                return list(pool.map(lambda on: r.pread(*on), ranges))
-
     @contextlib.contextmanager
     def reader(self, rel: str) -> Iterator[RangeReader]:
         r = RangeReader(self, rel)

@@ -64,12 +64,6 @@ def test_rename_remove_and_fsync(root):
         root.listdir("gone")
 
 
-def test_read_ranges_in_order(root):
-    _fill(root)
-    ranges = [(o, 4097) for o in range(0, len(DATA), 50_000)][::-1]
-    assert root.read_ranges("a.bin", ranges, workers=4) == [DATA[o:o + n] for o, n in ranges]
-
-
 def test_concurrent_remote_pread_returns_the_right_bytes():
     st = Storage.open(f"memory://h1-{uuid.uuid4().hex}")
     big = os.urandom(2 * BLOCK + 12345)
