@@ -29,8 +29,10 @@ Example::
 
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -50,6 +52,15 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, tmp: str, args: t
             pickle.dump(result, f)
     finally:
         dist.destroy_process_group()
+    # The rank's work is done and its result is on disk. Leave without interpreter finalization:
+    # a group still held by a device mesh or DDP is destroyed there among C++ statics, where
+    # gloo's joinable threads may call std::terminate ("terminate called without an active
+    # exception", SIGABRT) and fail a rank whose work had succeeded (CI, now and then).
+    # Python's exit handlers still run (multiprocessing's among them).
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_dist(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0) -> list[Any]:
@@ -70,7 +81,9 @@ def run_dist(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"run_dist({fn.__name__}) timed out after {timeout:.0f} s")
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-            raise RuntimeError(f"rank {e.error_index} of {fn.__name__} failed: {e}") from None
+            done = os.path.exists(os.path.join(tmp, f"result_{e.error_index}.pkl"))
+            when = "after its function returned" if done else "before its function returned"
+            raise RuntimeError(f"rank {e.error_index} of {fn.__name__} failed ({when}): {e}") from None
         finally:
             for p in ctx.processes:
                 if p.is_alive():

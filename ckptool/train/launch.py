@@ -164,6 +164,27 @@ def _worker(rank: int, cfg: TrainConfig, world_size: int, rdzv: str, events: Any
             traceback.print_exc()
         raise
     dist.destroy_process_group()
+    _exit_done(events)
+
+
+def _exit_done(events: Any) -> None:
+    """End a rank whose run succeeded, without interpreter finalization.
+
+    ``destroy_process_group`` does not free a group that a device mesh or DDP still holds; the
+    group is then destroyed among C++ statics at interpreter exit, where gloo's joinable worker
+    threads may call ``std::terminate`` ("terminate called without an active exception",
+    SIGABRT) and turn a finished run into a failed one. Python's exit handlers still run
+    (multiprocessing's: the event queue is flushed, daemonic children stopped).
+    """
+    import atexit
+    import sys
+
+    events.close()
+    events.join_thread()  # rank 0's result reaches the parent before this process ends
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn(cfg: TrainConfig, nproc: int, on_event: Callable[[Any], None] | None = None, *,
