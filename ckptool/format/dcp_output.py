@@ -33,7 +33,9 @@ from ckptool.storage import BLOCK, RangeReader, Storage
 
 Item = TypeVar("Item")
 #: ``write_item(file, item, buf)`` appends one item's record; ``buf`` is the worker's block buffer.
-ItemWriter = Callable[[DistcpFile, Item, bytearray], None]
+#: It returns True when the record's data CRC-32 was computed from the bytes in the file and
+#: proven against a stored source CRC-32 (the read-back then skips the data).
+ItemWriter = Callable[[DistcpFile, Item, bytearray], bool | None]
 #: What a record must hold: (dtype, shape) of a tensor, None for a non-tensor value.
 Expected = tuple[DType, tuple[int, ...]] | None
 #: Records up to this size are read back in one call.
@@ -43,12 +45,15 @@ _PRELOAD = 1 << 20
 @dataclass(frozen=True)
 class FileRange:
     """A piece of tensor data that is ``length`` bytes at ``offset`` of the open local file
-    ``fd`` (copied in the kernel by ``write_tensor``); ``where`` names the file for errors."""
+    ``fd`` (copied in the kernel by ``write_tensor``); ``where`` names the file for errors.
+    ``read_back``: its CRC-32 is computed from the copy in the output, not from ``fd`` (for a
+    caller that compares it with the source's stored CRC-32)."""
 
     fd: int
     offset: int
     length: int
     where: str
+    read_back: bool = False
 
 
 @dataclass(frozen=True)
@@ -121,17 +126,17 @@ def _write_file(path: Path, items: list[Item], write_item: ItemWriter,
         back = stack.enter_context(Storage.open(path.parent).reader(f.name)) if check else None
         for item in items:
             start = f.size
-            write_item(f, item, buf)
+            proven = write_item(f, item, buf)
             ref = StorageRef(f.name, start, f.size - start)
             if back is not None:
-                check_record(back, ref, check(item), buf)  # type: ignore[misc]
+                check_record(back, ref, check(item), buf, data=not proven)  # type: ignore[misc]
             placed.append((item, ref))
         f.close(sync=False)
     return WrittenFile(f.name, f.size, f.digest, placed)
 
 
 def check_record(reader: RangeReader, ref: StorageRef, expected: Expected,
-                 buf: bytearray) -> None:
+                 buf: bytearray, *, data: bool = True) -> None:
     """Read one record back: it parses, holds ``expected`` and every entry's CRC-32 matches.
 
     Args:
@@ -139,6 +144,8 @@ def check_record(reader: RangeReader, ref: StorageRef, expected: Expected,
         ref: where the record lies in it.
         expected: (dtype, shape) of the tensor it must hold; None for a non-tensor value.
         buf: a reused block buffer (the data is read into it, nothing else is allocated).
+        data: check the CRC-32 of a tensor's data entry too (False: the writer computed it
+            from these bytes and proved it already).
 
     Raises:
         CorruptCheckpointError: "verification failed, nothing was committed: ..." naming the
@@ -148,15 +155,19 @@ def check_record(reader: RangeReader, ref: StorageRef, expected: Expected,
     problem = None
     try:
         rec = RecordReader(reader, ref, where, preload=_PRELOAD)
+        skip = None
         if expected is None:
             rec.load_object()
         else:
             loc = rec.tensor()
+            skip = None if data else loc.entry.name
             if (loc.dtype, loc.shape) != expected:
                 problem = (f"{where} holds {loc.dtype} {list(loc.shape)}, written as {expected[0]} "
                            f"{list(expected[1])}")
         rec.verify_structure()
         for e in rec.entries.values():
+            if e.name == skip:
+                continue
             crc = _crc_at(reader, rec.data_offset(e), e.size, buf)
             if crc != e.crc:
                 got = "past the end of the file" if crc is None else f"{crc:08x}"
@@ -190,8 +201,9 @@ def write_tensor(f: DistcpFile, dtype: DType, sizes: tuple[int, ...],
     Args:
         f: the open output file.
         dtype, sizes: the record's element type and shape.
-        pieces: the data, each piece a ``FileRange`` (copied in the kernel, then read back
-            from ``f`` for its CRC-32) or an iterable of buffers (e.g. casts of source blocks).
+        pieces: the data, each piece a ``FileRange`` (copied in the kernel, then re-read for
+            its CRC-32: from its file, or from ``f`` with ``read_back``) or an iterable of
+            buffers (e.g. casts of source blocks).
         tick: called with each block's length after it is written (progress, abort).
         buf: the worker's block buffer (for ``FileRange`` pieces).
 
@@ -204,7 +216,8 @@ def write_tensor(f: DistcpFile, dtype: DType, sizes: tuple[int, ...],
     for piece in pieces:
         part = length = 0
         copied = isinstance(piece, FileRange)
-        blocks = (f.copy_range(piece.fd, piece.offset, piece.length, buf, piece.where)
+        blocks = (f.copy_range(piece.fd, piece.offset, piece.length, buf, piece.where,
+                               read_back=piece.read_back)
                   if isinstance(piece, FileRange) else piece)
         for data in blocks:
             part = crc32(data, part)

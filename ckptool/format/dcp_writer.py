@@ -266,8 +266,8 @@ class DistcpFile:
 
     ``copy_range`` appends bytes of another open file with an in-kernel copy
     (``os.copy_file_range``: no copy through Python, a third of ``pread`` + ``write``'s CPU
-    here), then reads the source bytes again (from the page cache) for the hash and the
-    caller's CRC-32, as ``write`` sees them.
+    here), then reads the source's bytes, or the copy's, again (from the page cache) for the
+    hash and the caller's CRC-32.
 
     Example:
         >>> with DistcpFile("out/__0_0.distcp") as f:
@@ -300,18 +300,22 @@ class DistcpFile:
             self.size += n
 
     def copy_range(self, fd: int, offset: int, length: int, buf: bytearray,
-                   where: str) -> Iterator[memoryview]:
+                   where: str, *, read_back: bool = False) -> Iterator[memoryview]:
         """Append ``length`` bytes at ``offset`` of the open file ``fd``; yield them block by
-        block in views of ``buf`` (valid until the next one), as read from ``fd`` after the
-        copy (from the page cache), for the caller's CRC-32.
+        block in views of ``buf`` (valid until the next one), read after the copy (from the
+        page cache) for the hash and the caller's CRC-32.
 
-        What the copy put in this file is not read here: a verification reads the records back
-        (``dcp_output.check_record``) and compares them with these bytes' CRC-32.
+        Without ``read_back`` the bytes yielded are ``fd``'s: what the copy put in this file
+        is not read here, and a verification reads the records back
+        (``dcp_output.check_record``) and compares them with these bytes' CRC-32. With
+        ``read_back`` they are this file's, as the copy left them: for a source whose stored
+        CRC-32 the caller compares them with, which proves the source and the copy at once.
 
         Raises:
             CorruptCheckpointError: ``fd`` ends before (``where`` names it).
         """
         view, end = memoryview(buf), offset + length
+        src, at = (self._fd, self.size - offset) if read_back else (fd, 0)
         advised = offset  # the source is asked for up to READ_AHEAD bytes ahead of the copy
         while offset < end:
             want = min(len(buf), end - offset)
@@ -320,7 +324,7 @@ class DistcpFile:
                 os.posix_fadvise(fd, advised, ahead - advised, os.POSIX_FADV_WILLNEED)
                 advised = ahead
             n = self._copy(fd, offset, want, view)
-            if n <= 0 or os.preadv(fd, [view[:n]], offset) != n:
+            if n <= 0 or os.preadv(src, [view[:n]], offset + at) != n:
                 raise CorruptCheckpointError(f"{where} ended while reading it (changed "
                                              "meanwhile?)", path=where, hint="Nothing was written")
             self._hash.update(view[:n])

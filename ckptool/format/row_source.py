@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ckptool.errors import CorruptCheckpointError
+from ckptool.format.copy_engine import unverified
 from ckptool.format.crc import crc32_combine
 from ckptool.format.mapped_file import cached_window
 from ckptool.format.metadata import Chunk, TensorEntry
@@ -91,15 +92,21 @@ class RowSource:
             if pos != entry.size:
                 self.whole_check.add((fqn, offsets))
             elif crc != entry.crc:
-                where = self.ck.storage.url_of(chunk_at(t, offsets).storage.relative_path)
-                raise CorruptCheckpointError(
-                    f"{where} (item {fqn}): CRC-32 mismatch in its data (stored {entry.crc:08x}, "
-                    f"computed {crc:08x}): the bytes are damaged", path=where,
-                    hint="Nothing was written; use an earlier checkpoint")
+                self._mismatch(fqn, chunk_at(t, offsets), entry.crc, crc)
         for fqn, offsets in sorted(self.whole_check):
             chunk = chunk_at(self.ck.meta.tensors[fqn], offsets)
             if chunk.numel and not chunk.storage.raw:  # type: ignore[union-attr]
                 self.ck.record(chunk.storage, fqn).verify_crc()  # type: ignore[arg-type]
+
+
+    def _mismatch(self, fqn: str, chunk: Chunk, stored: int, computed: int) -> None:
+        """The pieces of a source record do not add up to its stored CRC-32: the source is
+        damaged, or (pieces read from a copy) the copy differs. Raises which."""
+        where = self.ck.storage.url_of(chunk.storage.relative_path)  # type: ignore[union-attr]
+        source = f"{where} (item {fqn})"
+        self.ck.record(chunk.storage, fqn).verify_crc()  # type: ignore[arg-type]  # raises if damaged
+        raise unverified(where, f"the copy of {source} differs from it: CRC-32 mismatch "
+                                f"(stored {stored:08x}, copy {computed:08x})")
 
 
 @dataclass(frozen=True)

@@ -10,12 +10,14 @@ source cannot tell parameters from buffers, so all its tensors with dims are sha
 
 Bytes move without torch, through ``format/dcp_output.py`` (the writer ``import`` shares): an
 output row block is contiguous byte ranges of the source's row-block records, copied in the
-kernel in 8 MiB blocks (``os.copy_file_range``) and re-read from the page cache for the new
-record's CRC-32; every source record's stored CRC-32 is checked on the way (pieces combined
-with ``crc32_combine``), so damaged input is refused, never laundered. Other chunk layouts
+kernel in 8 MiB blocks (``os.copy_file_range``) and re-read from the output (page cache) for
+the new record's CRC-32; these pieces, combined with ``crc32_combine``, must equal every
+source record's stored CRC-32, which proves the source and the copy in one read: damaged
+input is refused, never laundered, and the record's data needs no read-back. Other chunk layouts
 (e.g. 2-D sharding, strided records) are assembled one output chunk at a time with numpy.
 Verification reads each record back right after it is written (page cache: parse, dtype and
-shape, CRC-32 of every entry against the bytes in the file), validates the output's index,
+shape, CRC-32 of every entry against the bytes in the file, but for data proven as above),
+validates the output's index,
 then compares each tensor's CRC-32 over its row-major bytes, source vs output, derived from
 the verified per-record CRCs (no extra read).
 
@@ -295,12 +297,14 @@ class _Copier:
         self.src = src
         self.ticker = ticker
 
-    def write_item(self, f: DistcpFile, item: _Item, buf: bytearray) -> None:
+    def write_item(self, f: DistcpFile, item: _Item, buf: bytearray) -> bool:
+        """Append ``item``'s record; True when every data byte was read back from ``f`` and
+        its CRC-32 goes to ``check_crcs`` (so the record's data needs no second read)."""
         if item.chunk is None:
             ref = self.src.ck.meta.objects[item.fqn].storage
             self.src.ck.record(ref, item.fqn).verify_crc()  # type: ignore[arg-type]
             f.write(self.src.ck.object_bytes(item.fqn))
-            return
+            return False
         t, chunk = self.src.ck.meta.tensors[item.fqn], item.chunk
         lo = chunk.offsets[0] if chunk.offsets else 0
         ranges: list[ByteRange | None] = []
@@ -312,14 +316,17 @@ class _Copier:
                     yield (piece,)
                 elif piece.reader.fileno is None:  # remote: read block by block
                     yield read_blocks(piece, buf)
-                else:
+                else:  # with a stored CRC-32 to meet, the copy's bytes are checked, not the source's
                     yield FileRange(piece.reader.fileno, piece.start, piece.length,
-                                    piece.reader.storage.url_of(piece.reader.rel))
+                                    piece.reader.storage.url_of(piece.reader.rel),
+                                    read_back=piece.key is not None)
 
         parts = write_tensor(f, t.dtype, chunk.sizes, pieces(), self.ticker.add, buf)
         for r, (crc, _) in zip(ranges, parts):
             if r is not None and r.key is not None:
                 self.src.pieces.append((r.key, r.rel, r.length, crc))
+        return all(r is not None and r.key is not None and r.reader.fileno is not None
+                   for r in ranges)
 
 
 # ---------------------------------------------------------------------------------------------
