@@ -9,10 +9,13 @@ file; ``whole`` pieces are tensors saved in other boxes, assembled in memory one
   it, so the two overlap on two cores;
 - local source, bytes through Python (a cast, ``verify``): per file one job reads each block
   once (``row_source.read_blocks``): CRC, cast, positioned write;
-- remote source: the records are located (a job per file), then the bytes are read as jobs
-  of one ranged request each (``REMOTE_BLOCK``: a block of a big record, or several small
-  records in a row), written at their output offsets, so ``workers`` requests run at once;
-  the blocks' CRC-32s are combined per record (``crc32_combine``) and checked at the end.
+- remote source: per source file one job (``REMOTE_WORKERS`` at once) reads the file front to
+  back over one streamed request (``storage.remote.StreamedFile``), dropping the bytes between
+  the records it needs. A record of up to ``REMOTE_BLOCK`` bytes is read whole and copied from
+  memory as a local one; a bigger one is placed block by block as it streams, where its local
+  zip headers say its data starts, and its zip directory, read last, must agree (else that
+  chunk is read again by ranged requests). Each record's CRC-32 is computed as its bytes
+  pass and checked at its end.
 
 Memory: one block (plus its cast) per worker, and one full tensor for non-row-block layouts.
 """
@@ -21,26 +24,35 @@ from __future__ import annotations
 
 import functools
 import os
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ckptool.errors import ChecksumError, CorruptCheckpointError
 from ckptool.format.copy_engine import Progress, Ticker, run_jobs
-from ckptool.format.crc import crc32, crc32_combine
+from ckptool.format.crc import crc32
 from ckptool.format.dtypes import DType
-from ckptool.format.metadata import Chunk, TensorEntry
+from ckptool.format.metadata import Chunk, StorageRef, TensorEntry
+from ckptool.format.pickle_globals import TENSOR_GLOBALS, _storage_pid, _TensorStub
 from ckptool.format.reader import CheckpointReader, ChunkBytes, rowmajor
 from ckptool.format.row_source import ByteRange, blocks_of, read_block, read_blocks
+from ckptool.format.safe_pickle import safe_loads
 from ckptool.format.safetensors_writer import FileLayout, OutputFile, cast_bytes
+from ckptool.format.torch_records import TensorLocation, ZipEntry, contiguous_strides
 from ckptool.storage import BLOCK
+from ckptool.storage.remote import StreamedFile
 
-#: Parallel ranged requests for a remote source, and the most bytes each asks for: at most
-#: 8 x 16 MiB in flight.
+#: Remote source files read at once, and the most bytes a job reads at once (a record of up to
+#: this size is read whole): at most 8 x 16 MiB in flight.
 REMOTE_WORKERS = 8
 REMOTE_BLOCK = 16 << 20
-#: The most bytes between two records' data that one remote request reads over (headers).
-_GAP = 256 << 10
+#: Of a bigger record, the first and the last bytes kept while it streams: its local zip
+#: headers (``data.pkl`` and the data's, before the data) and its zip directory (after it).
+_HEAD = 64 << 10
+_TAIL = 128 << 10
+_LOCAL = b"PK\x03\x04"  # a local zip header's signature
 #: How far ahead of an in-kernel copy the source is asked for.
 READ_AHEAD = 4 * BLOCK
 _FADVISE = hasattr(os, "posix_fadvise")
@@ -55,24 +67,6 @@ class Piece:
     out: int          # index of the output file
     offset: int       # absolute offset in that file
     out_dtype: DType
-
-
-@dataclass(frozen=True)
-class _Part:
-    """Bytes of a remote piece's record to read: ``check``: its CRC-32 counts for the record."""
-
-    piece: int
-    span: ByteRange
-    check: bool
-
-
-@dataclass(frozen=True)
-class _Fetch:
-    """One ranged request of a remote file: ``span`` covers ``parts`` (consecutive in the file,
-    gaps of headers between them), at most ``REMOTE_BLOCK`` bytes."""
-
-    span: ByteRange
-    parts: tuple[_Part, ...]
 
 
 class Copier:
@@ -116,27 +110,10 @@ class Copier:
         run_jobs(self.ticker, lambda job: job(), jobs, workers)
 
     def _run_remote(self, pieces: list[Piece], whole: list[Piece], workers: int) -> None:
-        # One locating job per file, front to back: a record's tail and the next record's
-        # headers then come in one request (``storage.remote.RemoteFile.WINDOW``).
-        files = _by_file(pieces)
-        found = run_jobs(self.ticker, lambda ps: [self.ck.locate(p.tensor, p.chunk) for p in ps],
-                         list(files.values()), workers)
-        where = {id(p): cb for ps, cbs in zip(files.values(), found) for p, cb in zip(ps, cbs)}
-        located = [where[id(p)] for p in pieces]
-        parts: list[_Part] = []
-        jobs: list[Callable[[], list[int] | None]] = []
-        for i, (p, cb) in enumerate(zip(pieces, located)):
-            if not cb.location.contiguous:
-                jobs.append(functools.partial(self._gather_job, p, cb))
-                continue
-            span, check = self._span(cb)
-            parts += [_Part(i, s, check) for s in blocks_of(span, REMOTE_BLOCK)]
-        fetches = _coalesce(parts)
-        jobs += [functools.partial(self._fetch_job, pieces, located, f) for f in fetches]
+        jobs: list[Callable[[], None]] = [functools.partial(self._file_job, rel, ps)
+                                          for rel, ps in _by_file(pieces).items()]
         jobs += [functools.partial(self._whole_job, whole)] if whole else []
-        results = run_jobs(self.ticker, lambda job: job(), jobs, workers)
-        crcs = [crc for r in results if r is not None for crc in r]
-        self._check_parts(pieces, located, [q for f in fetches for q in f.parts], crcs)
+        run_jobs(self.ticker, lambda job: job(), jobs, workers)
 
     def _advance(self, n: int) -> None:
         self.ticker.add(n)  # raises Aborted once another job failed
@@ -145,14 +122,15 @@ class Copier:
     def _copy_job(self, pieces: list[Piece]) -> None:
         buf = bytearray(BLOCK)
         for p in pieces:
-            cb = self.ck.locate(p.tensor, p.chunk)
-            loc = cb.location
-            if not loc.contiguous:
-                self._write(p, self._gather(p, cb))
-            elif self.inline:  # (a cast, if any, is what makes out_dtype differ)
-                self._stream(p, cb, buf)
-            else:
-                self._copy_in_kernel(p, cb)
+            self._copy(p, self.ck.locate(p.tensor, p.chunk), buf)
+
+    def _copy(self, p: Piece, cb: ChunkBytes, buf: bytearray) -> None:
+        if not cb.location.contiguous:
+            self._write(p, self._gather(p, cb))
+        elif self.inline or cb.reader.fileno is None:  # (a cast makes out_dtype differ)
+            self._stream(p, cb, buf)
+        else:
+            self._copy_in_kernel(p, cb)
 
     def _copy_in_kernel(self, p: Piece, cb: ChunkBytes) -> None:
         """``copy_file_range`` in blocks (so cancel and progress work), the source's next blocks
@@ -184,22 +162,74 @@ class Copier:
         span, check = self._span(cb)
         crc, pos = 0, span.start
         for data in read_blocks(span, buf):
-            crc = crc32(data, crc) if check else crc
-            self._place(p, cb, pos, data)
+            crc = self._take(p, cb, pos, data, crc)
             pos += len(data)
         if check:
             self._check_crc(p, cb, crc)
 
-    def _fetch_job(self, pieces: list[Piece], located: list[ChunkBytes], f: _Fetch) -> list[int]:
-        """One ranged request; each part placed in the output; the parts' CRC-32s (0 where
-        they do not count)."""
-        self._advance(0)
-        data, crcs = read_block(f.span), []
-        for q in f.parts:
-            view = data[q.span.start - f.span.start:q.span.start - f.span.start + q.span.length]
-            self._place(pieces[q.piece], located[q.piece], q.span.start, view)
-            crcs.append(crc32(view) if q.check else 0)
-        return crcs
+    def _take(self, p: Piece, cb: ChunkBytes, pos: int, data: memoryview, crc: int) -> int:
+        """Place the chunk's part of ``data`` (read at file offset ``pos``); return the record's
+        CRC-32 so far, ``crc``, with the part of ``data`` it covers added (if it is checked)."""
+        self._place(p, cb, pos, data)
+        span, check = self._span(cb)
+        a, b = max(pos, span.start), min(pos + len(data), span.start + span.length)
+        return crc32(data[a - pos:b - pos], crc) if check and a < b else crc
+
+    # -- remote source: one streamed request per file ---------------------------------------
+    def _file_job(self, rel: str, pieces: list[Piece]) -> None:
+        """A remote file's records, front to back, over one streamed request; the bytes
+        between them (zip headers, records not exported) are dropped as they pass."""
+        pieces = sorted(pieces, key=lambda p: _ref(p).offset)
+        end = _ref(pieces[-1]).offset + _ref(pieces[-1]).length
+        with StreamedFile(self.ck.storage.fs, self.ck.storage.path(rel), end,
+                          block=REMOTE_BLOCK) as s:
+            for p in pieces:
+                s.skip(_ref(p).offset - s.pos)
+                self._record(p, s)
+
+    def _record(self, p: Piece, s: StreamedFile) -> None:
+        """One record from the stream (at its first byte): the chunk placed, its CRC-32 checked.
+
+        A record of up to ``REMOTE_BLOCK`` bytes (or ``_HEAD + _TAIL``) is read whole and
+        parsed from memory. A bigger one is placed block by block as it streams where its
+        first bytes say (``_guess``), and its zip directory, read last, must agree. A strided
+        tensor is gathered from memory, or from a big record by ranged requests."""
+        ref = _ref(p)
+        if ref.length <= max(REMOTE_BLOCK, _HEAD + _TAIL):
+            data = s.read(ref.length)
+            kept = _Kept(self.ck, ref.relative_path, [(ref.offset, data)])
+            guess: ChunkBytes | None = kept.locate(p.tensor, p.chunk)
+            crc = self._take(p, guess, ref.offset, data, 0) if guess.location.contiguous else 0
+        else:
+            kept = _Kept(self.ck, ref.relative_path, [(ref.offset, bytes(s.peek(_HEAD)))])
+            guess = (kept.locate(p.tensor, p.chunk) if ref.raw
+                     else _guess(p, kept, ref.offset + ref.length))
+            crc = self._stream_record(p, s, kept, guess)
+        cb = kept.locate(p.tensor, p.chunk)
+        if guess is None or not guess.location.contiguous:
+            self._copy(p, cb, bytearray(BLOCK))
+        elif not _agree(guess, cb):
+            raise self._damaged(p, cb, "its local zip headers disagree with its zip directory")
+        elif self._span(cb)[1]:
+            self._check_crc(p, cb, crc)
+
+    def _stream_record(self, p: Piece, s: StreamedFile, kept: _Kept,
+                       guess: ChunkBytes | None) -> int:
+        """Read a big record from the stream in blocks, placing them where ``guess`` says (if
+        anything); keep its last ``_TAIL`` bytes; return its data's CRC-32 as read."""
+        ref = _ref(p)
+        end = ref.offset + ref.length
+        loc = guess.location if guess is not None else None
+        d, e = (loc.data_offset, loc.data_offset + loc.entry.size) if loc else (ref.offset,) * 2
+        crc = 0
+        for a, b in _cuts(ref.offset, d, e, end):
+            data = s.read(b - a)
+            self._advance(0)
+            if b > end - _TAIL:  # the zip directory's bytes, and those before it
+                kept.keep(max(a, end - _TAIL), data[max(0, end - _TAIL - a):])
+            crc = self._take(p, guess, a, data, crc) if guess is not None else crc
+            del data  # one block at a time: not held while the next is read
+        return crc
 
     def _span(self, cb: ChunkBytes) -> tuple[ByteRange, bool]:
         """What to read of the chunk's record, and whether to check it: all of the record's
@@ -218,16 +248,6 @@ class Copier:
             self.outs[p.out].pwrite(out, p.offset + (a - loc.start) * p.out_dtype.itemsize
                                     // loc.dtype.itemsize)
             self._advance(len(out))
-
-    def _check_parts(self, pieces: list[Piece], located: list[ChunkBytes], parts: list[_Part],
-                     crcs: list[int]) -> None:
-        """Combine the remote parts' CRC-32s (in file order) per record and check them."""
-        combined: dict[int, int] = {}
-        for q, crc in zip(parts, crcs):
-            if q.check:
-                combined[q.piece] = crc32_combine(combined.get(q.piece, 0), crc, q.span.length)
-        for i, crc in combined.items():
-            self._check_crc(pieces[i], located[i], crc)
 
     def _check_crc(self, p: Piece, cb: ChunkBytes, crc: int) -> None:
         stored = cb.location.entry.crc
@@ -249,9 +269,6 @@ class Copier:
             raise self._damaged(p, cb, "CRC-32 mismatch")
         first = raw[loc.storage_offset * loc.dtype.itemsize:]
         return cast_bytes(memoryview(rowmajor(first, loc)), loc.dtype, p.out_dtype)
-
-    def _gather_job(self, p: Piece, cb: ChunkBytes) -> None:
-        self._write(p, self._gather(p, cb))
 
     def _whole_job(self, whole: list[Piece]) -> None:
         import numpy as np
@@ -280,19 +297,80 @@ def _by_file(pieces: list[Piece]) -> dict[str, list[Piece]]:
     return files
 
 
-def _coalesce(parts: list[_Part]) -> list[_Fetch]:
-    """Consecutive parts of one file (the plan's order) joined into requests of at most
-    ``REMOTE_BLOCK`` bytes when only a small gap (a record's zip headers) lies between them:
-    many small records then cost one request, not one each."""
-    out: list[_Fetch] = []
-    for q in parts:
-        last = out[-1] if out else None
-        if (last is not None and q.span.reader is last.span.reader
-                and 0 <= q.span.start - (last.span.start + last.span.length) <= _GAP
-                and q.span.start + q.span.length - last.span.start <= REMOTE_BLOCK):
-            span = ByteRange(None, q.span.reader, last.span.start, 0,
-                             q.span.start + q.span.length - last.span.start)
-            out[-1] = _Fetch(span, (*last.parts, q))
+def _ref(p: Piece) -> StorageRef:
+    assert p.chunk.storage is not None  # the plan's pieces all have one
+    return p.chunk.storage
+
+
+class _Kept(CheckpointReader):
+    """``ck`` as one streamed record left it: its file's reads are answered from the bytes
+    kept of the record (``pieces``: offset, bytes), any other range by a ranged request, so
+    ``locate`` parses the record as it was read. It is that file's reader, too."""
+
+    fileno = None
+
+    def __init__(self, ck: CheckpointReader, rel: str, pieces: list[tuple[int, Any]]) -> None:
+        super().__init__(ck.storage, ck.meta)
+        self.rel, self.file, self.pieces = rel, ck.reader(rel), pieces
+
+    def reader(self, rel: str) -> Any:
+        return self
+
+    def keep(self, offset: int, data: memoryview) -> None:
+        """Keep ``data`` (read at ``offset``) too: one piece with the piece it follows."""
+        start, last = self.pieces[-1]
+        if start + len(last) == offset:
+            self.pieces[-1] = (start, bytes(last) + bytes(data))
         else:
-            out.append(_Fetch(q.span, (q,)))
-    return out
+            self.pieces.append((offset, bytes(data)))
+
+    def pread(self, offset: int, length: int) -> bytes:
+        for start, data in self.pieces:
+            if start <= offset and offset + length <= start + len(data):
+                return bytes(data[offset - start:offset - start + length])
+        return self.file.pread(offset, length)
+
+
+def _cuts(start: int, data: int, data_end: int, end: int) -> list[tuple[int, int]]:
+    """A big record's reads: its headers, its data in blocks from the data's first byte (so
+    every block starts on an element, for casts), the rest in blocks."""
+    at = sorted({start, *range(data, data_end, REMOTE_BLOCK), data_end,
+                 *range(data_end, end, REMOTE_BLOCK), end})
+    return list(zip(at, at[1:]))
+
+
+def _guess(p: Piece, kept: _Kept, end: int) -> ChunkBytes | None:
+    """Where a big record's tensor lies, from its first bytes, before its zip directory comes:
+    ``data.pkl`` (the first entry) names the storage and gives the tensor's dtype, shape and
+    strides; the first local header of the storage's entry, where its data starts. None
+    unless that parses into the index's chunk, row-major, inside the record."""
+    ref, t, c, h = _ref(p), p.tensor, p.chunk, bytes(kept.pieces[0][1])
+    try:
+        nlen, xlen = struct.unpack_from("<HH", h, 26)
+        pkl = h[30:30 + nlen].decode()
+        obj = safe_loads(h[30 + nlen + xlen:], TENSOR_GLOBALS, persistent_load=_storage_pid)
+        name = (pkl[:-len("data.pkl")] + "data/" + obj.storage.key).encode()
+    except Exception:  # noqa: BLE001  (the zip directory, parsed at the end, says what is wrong)
+        return None
+    if h[:4] != _LOCAL or not pkl.endswith("data.pkl") or not isinstance(obj, _TensorStub):
+        return None
+    pos = h.find(_LOCAL, 4)
+    while pos >= 0 and h[pos + 30:pos + 30 + len(name)] != name:
+        pos = h.find(_LOCAL, pos + 4)
+    if pos < 0 or struct.unpack_from("<H", h, pos + 26)[0] != len(name):
+        return None
+    st, data = obj.storage, ref.offset + pos + 30 + len(name) + h[pos + 28] + (h[pos + 29] << 8)
+    entry = ZipEntry(name.decode(), 0, 0, st.numel * st.dtype.itemsize, pos)
+    loc = TensorLocation(st.dtype, obj.shape, obj.strides, obj.offset, st.numel, data, entry)
+    if ((loc.dtype, loc.shape) != (t.dtype, c.sizes) or not loc.contiguous or obj.offset < 0
+            or obj.offset + loc.numel > st.numel or data + entry.size > end):
+        return None
+    return ChunkBytes(c, loc, kept)  # type: ignore[arg-type]
+
+
+def _agree(guess: ChunkBytes, cb: ChunkBytes) -> bool:
+    """Did the guess take the bytes the zip directory says: the chunk's, and (for the CRC-32)
+    all of the record data's?"""
+    g, loc = guess.location, cb.location
+    return loc.contiguous and (g.start, g.data_offset, g.entry.size) == (
+        loc.start, loc.data_offset, loc.entry.size)

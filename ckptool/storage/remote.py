@@ -1,6 +1,7 @@
 """The fsspec backend (``s3://``, ``hf://``, ``memory://``, ...): ranged GETs, fresh listings.
 
-Implements ``base.Backend`` over one fsspec file system. Differences from the local one,
+Implements ``base.Backend`` over one fsspec file system; ``StreamedFile`` reads a file front to
+back over one request (consolidate's remote copy). Differences from the local one,
 which callers must not rely on away: ``fsync`` is a no-op (there are no folders to sync, and a
 PUT is durable once it returns), ``rename`` copies and deletes (``atomic_rename`` is False),
 and listings of a root are made fresh (``exists``/``isdir`` with ``fresh=True``, ``listdir``).
@@ -61,6 +62,110 @@ class RemoteFile:
 
     def close(self) -> None:
         self._kept = threading.local()
+
+
+class StreamedFile:
+    """A remote file read front to back, up to byte ``end``, in bounded memory.
+
+    Where the file system streams files (``fs.open_async``, e.g. s3fs), the bytes come over
+    ONE request, its body read as it arrives, as ``s3fs``'s ``get`` reads a file; elsewhere
+    (``memory://``, file systems without streamed files) as ranged requests of ``block``
+    bytes. After a skip longer than ``block`` (a new request costs less than reading through)
+    or a failed read of the stream (a reset connection), ranged requests go on from there:
+    they retry, and raise what persists. At most ``block`` bytes are held between reads.
+    One thread at a time; ``close`` (or the ``with`` block's end) ends the request.
+    """
+
+    def __init__(self, fs: Any, path: str, end: int, *, block: int) -> None:
+        self.fs, self.path, self.end, self.block = fs, path, end, block
+        self.pos = 0  # of the next byte ``read`` returns; ``_buf`` holds the bytes from there
+        self._buf = memoryview(b"")
+        self._stream: Any = None
+        if getattr(fs, "async_impl", False):
+            try:
+                self._stream = _sync(fs, fs.open_async, path, "rb")  # no request yet
+            except NotImplementedError:  # an async file system without streamed files
+                pass
+
+    def __enter__(self) -> StreamedFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def peek(self, n: int) -> memoryview:
+        """The next ``n`` bytes (fewer only at ``end`` or at the end of the file), left unread."""
+        n = max(0, min(n, self.end - self.pos))
+        if len(self._buf) < n:  # ranged: a block's worth at once, not a request a read
+            self._buf = memoryview(self._fetch(n if self._stream is not None
+                                               else max(n, self.block)))
+        return self._buf[:n]
+
+    def read(self, n: int) -> memoryview:
+        """The next ``n`` bytes (fewer only at ``end`` or at the end of the file)."""
+        out = self.peek(n)
+        self._buf = self._buf[len(out):] if len(self._buf) > len(out) else memoryview(b"")
+        self.pos += len(out)
+        return out
+
+    def skip(self, n: int) -> None:
+        """Pass the next ``n`` bytes: read through (and dropped) on the stream, else jumped."""
+        if n < 0:
+            raise ValueError(f"{self.path}: a stream cannot go back {-n} bytes")
+        if n > self.block:
+            self.close()
+        while n > 0 and self._stream is not None and (got := len(self.read(min(n, self.block)))):
+            n -= got
+        if self._stream is None:
+            self._buf, self.pos = self._buf[n:], self.pos + n
+
+    def _fetch(self, n: int) -> bytes | bytearray:
+        """The next ``n`` bytes (fewer at the end): those buffered, then those fetched."""
+        have, start = self._buf, self.pos + len(self._buf)
+        n = min(n, self.end - self.pos)
+        if self._stream is not None:
+            try:
+                return _sync(self.fs, _read_exact, self._stream, n, have)
+            except Exception:  # noqa: BLE001  (ranged requests go on, and raise what persists)
+                self.close()
+        more = self.fs.cat_file(self.path, start=start, end=self.pos + n)
+        return bytes(have) + more if len(have) else more
+
+    def close(self) -> None:
+        """End the streamed request, if any (its connection is dropped, not reused half read)."""
+        f, self._stream = self._stream, None
+        if f is not None:
+            _sync(self.fs, _close, f)
+
+
+def _sync(fs: Any, coro_fn: Any, *args: Any) -> Any:
+    """``await coro_fn(*args)`` on the file system's event loop, from this thread."""
+    from fsspec.asyn import sync  # lazy: fsspec is imported only for URLs
+
+    return sync(fs.loop, coro_fn, *args)
+
+
+async def _read_exact(f: Any, n: int, head: memoryview) -> bytearray:
+    """``head``, then the next bytes of an async streamed file up to ``n`` in all (fewer at
+    its end). Its ``read`` returns at most what has arrived, joined: asked for at most 1 MiB
+    at a time, so that copy stays small."""
+    out, got = bytearray(n), len(head)
+    out[:got] = head
+    while got < n:
+        data = await f.read(min(n - got, 1 << 20))
+        if not data:
+            del out[got:]
+            break
+        out[got:got + len(data)] = data
+        got += len(data)
+    return out
+
+
+async def _close(f: Any) -> None:
+    body = getattr(f, "r", None)  # the response being read (s3fs, http): closing it ends the GET
+    if body is not None:
+        body.close()
+    await f.close()
 
 
 class FsspecBackend:
