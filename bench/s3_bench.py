@@ -13,7 +13,8 @@ Usage:
     python bench/s3_bench.py [CHECKPOINT] --runs 5 [--markdown docs/BENCHMARKS.md]
 
 Without CHECKPOINT a 0.3 GB 4-rank one is made with ``bench/gen_checkpoint.py`` under WORK
-(moto answers every ranged GET by reading the whole object, so its cost grows with file size).
+(moto answers every ranged GET by reading the whole object: what a tool reads by ranges
+costs more here than on S3).
 """
 
 from __future__ import annotations
@@ -106,12 +107,11 @@ def render(results: dict[str, list[dict[str, float]]], info: dict[str, object]) 
              f"{info['upload_s']:.1f} s). Machine: {info['machine']}. {info['runs']} runs per "
              "tool, alternating; min / **median** / max.\n", *tool_table(results), "",
              "`s3fs get` downloads the folder's files as they are (one streamed GET per file, "
-             "files in parallel); `ckptool consolidate` reads the same bytes as parallel ranged "
-             "requests of up to 16 MiB (bounded memory), checks every record's CRC-32, writes one "
-             "`.safetensors` file with positioned writes and fsyncs it. moto answers every ranged "
-             "GET by reading the whole object (a 1 KiB range of a 250 MB object took 0.39 s), so "
-             "on this server each ranged request costs about a whole file's read; S3 itself "
-             "serves ranges without that cost, which this bench cannot show.",
+             "files in parallel); `ckptool consolidate` reads each source file front to back "
+             "over one streamed GET too (8 files at once, at most 16 MiB held per file), checks "
+             "every record's CRC-32 as it passes, writes one `.safetensors` file with positioned "
+             "writes and fsyncs it. (moto answers every ranged GET by reading the whole object, "
+             "which made the ranged requests consolidate used before cost a file's read each.)",
              "", "Target (medians):", "", *targets(results), "",
              f"Command: `{info['bench']}`.", ""]
     return "\n".join(lines)

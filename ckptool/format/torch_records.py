@@ -23,7 +23,9 @@ from ckptool.format.safe_pickle import UnsafePickleError, safe_loads
 from ckptool.format.zip_records import ZipEntry, ZipRecord
 
 __all__ = ["RecordReader", "RecordTemplate", "SavedBytes", "TensorLocation", "ZipEntry",
-           "ZipRecord", "contiguous_strides"]
+           "ZipRecord", "contiguous_strides", "tensor_from_head"]
+
+_LOCAL = b"PK\x03\x04"  # a local zip header's signature
 
 
 @dataclass(frozen=True)
@@ -166,6 +168,39 @@ class RecordTemplate:
             if stored != struct.unpack_from("<I", buf, cd)[0] or crc32(view[start:end]) != stored:
                 return False
         return True
+
+
+def tensor_from_head(head: bytes, base: int) -> TensorLocation | None:
+    """Where a tensor record's data lies, from its first bytes alone (``head``, read at file
+    offset ``base``), before its zip directory at the end is read: ``data.pkl`` (the first
+    entry) names the storage and gives dtype, shape and strides; the storage entry's local
+    header says where its data starts. None unless all of that parses.
+
+    A guess for reading a record as it streams: what the zip directory says (``RecordReader``)
+    must be compared with it once it comes. The entry's CRC-32 and position are left 0."""
+    try:
+        if head[:4] != _LOCAL:
+            return None
+        nlen, xlen = struct.unpack_from("<HH", head, 26)
+        pkl = head[30:30 + nlen].decode()
+        obj = safe_loads(head[30 + nlen + xlen:], TENSOR_GLOBALS, persistent_load=_storage_pid)
+        if not pkl.endswith("data.pkl") or not isinstance(obj, _TensorStub):
+            return None
+        name = (pkl[:-len("data.pkl")] + "data/" + obj.storage.key).encode()
+        pos = head.find(_LOCAL, 4)
+        while pos >= 0 and head[pos + 30:pos + 30 + len(name)] != name:
+            pos = head.find(_LOCAL, pos + 4)
+        if pos < 0 or struct.unpack_from("<H", head, pos + 26)[0] != len(name):
+            return None
+        extra = struct.unpack_from("<H", head, pos + 28)[0]
+    except Exception:  # noqa: BLE001  (the zip directory, parsed later, says what is wrong)
+        return None
+    st = obj.storage
+    if obj.offset < 0 or obj.offset + _span(obj.shape, obj.strides) > st.numel:
+        return None
+    entry = ZipEntry(name.decode(), 0, 0, st.numel * st.dtype.itemsize, pos)
+    return TensorLocation(st.dtype, obj.shape, obj.strides, obj.offset, st.numel,
+                          base + pos + 30 + len(name) + extra, entry)
 
 
 def _span(shape: tuple[int, ...], strides: tuple[int, ...]) -> int:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import os
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,12 +34,10 @@ from ckptool.format.copy_engine import Progress, Ticker, run_jobs
 from ckptool.format.crc import crc32
 from ckptool.format.dtypes import DType
 from ckptool.format.metadata import Chunk, StorageRef, TensorEntry
-from ckptool.format.pickle_globals import TENSOR_GLOBALS, _storage_pid, _TensorStub
 from ckptool.format.reader import CheckpointReader, ChunkBytes, rowmajor
 from ckptool.format.row_source import ByteRange, blocks_of, read_block, read_blocks
-from ckptool.format.safe_pickle import safe_loads
 from ckptool.format.safetensors_writer import FileLayout, OutputFile, cast_bytes
-from ckptool.format.torch_records import TensorLocation, ZipEntry, contiguous_strides
+from ckptool.format.torch_records import tensor_from_head
 from ckptool.storage import BLOCK
 from ckptool.storage.remote import StreamedFile
 
@@ -52,7 +49,6 @@ REMOTE_BLOCK = 16 << 20
 #: headers (``data.pkl`` and the data's, before the data) and its zip directory (after it).
 _HEAD = 64 << 10
 _TAIL = 128 << 10
-_LOCAL = b"PK\x03\x04"  # a local zip header's signature
 #: How far ahead of an in-kernel copy the source is asked for.
 READ_AHEAD = 4 * BLOCK
 _FADVISE = hasattr(os, "posix_fadvise")
@@ -340,32 +336,14 @@ def _cuts(start: int, data: int, data_end: int, end: int) -> list[tuple[int, int
 
 
 def _guess(p: Piece, kept: _Kept, end: int) -> ChunkBytes | None:
-    """Where a big record's tensor lies, from its first bytes, before its zip directory comes:
-    ``data.pkl`` (the first entry) names the storage and gives the tensor's dtype, shape and
-    strides; the first local header of the storage's entry, where its data starts. None
-    unless that parses into the index's chunk, row-major, inside the record."""
-    ref, t, c, h = _ref(p), p.tensor, p.chunk, bytes(kept.pieces[0][1])
-    try:
-        nlen, xlen = struct.unpack_from("<HH", h, 26)
-        pkl = h[30:30 + nlen].decode()
-        obj = safe_loads(h[30 + nlen + xlen:], TENSOR_GLOBALS, persistent_load=_storage_pid)
-        name = (pkl[:-len("data.pkl")] + "data/" + obj.storage.key).encode()
-    except Exception:  # noqa: BLE001  (the zip directory, parsed at the end, says what is wrong)
+    """Where a big record's chunk lies, from its first bytes (``tensor_from_head``), before
+    its zip directory comes; None unless that is the index's chunk, row-major, inside the
+    record."""
+    loc = tensor_from_head(bytes(kept.pieces[0][1]), _ref(p).offset)
+    if (loc is None or (loc.dtype, loc.shape) != (p.tensor.dtype, p.chunk.sizes)
+            or not loc.contiguous or loc.data_offset + loc.entry.size > end):
         return None
-    if h[:4] != _LOCAL or not pkl.endswith("data.pkl") or not isinstance(obj, _TensorStub):
-        return None
-    pos = h.find(_LOCAL, 4)
-    while pos >= 0 and h[pos + 30:pos + 30 + len(name)] != name:
-        pos = h.find(_LOCAL, pos + 4)
-    if pos < 0 or struct.unpack_from("<H", h, pos + 26)[0] != len(name):
-        return None
-    st, data = obj.storage, ref.offset + pos + 30 + len(name) + h[pos + 28] + (h[pos + 29] << 8)
-    entry = ZipEntry(name.decode(), 0, 0, st.numel * st.dtype.itemsize, pos)
-    loc = TensorLocation(st.dtype, obj.shape, obj.strides, obj.offset, st.numel, data, entry)
-    if ((loc.dtype, loc.shape) != (t.dtype, c.sizes) or not loc.contiguous or obj.offset < 0
-            or obj.offset + loc.numel > st.numel or data + entry.size > end):
-        return None
-    return ChunkBytes(c, loc, kept)  # type: ignore[arg-type]
+    return ChunkBytes(p.chunk, loc, kept)  # type: ignore[arg-type]
 
 
 def _agree(guess: ChunkBytes, cb: ChunkBytes) -> bool:

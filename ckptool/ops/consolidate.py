@@ -2,8 +2,8 @@
 
 The plan comes from ``.metadata`` alone: output names, dtypes, shapes and byte offsets, split
 into HF-style shards. Headers are written first, then data is placed with positioned writes,
-so copies run in source order: each source file is read front to back (remote: by parallel
-ranged requests). The copy jobs are ``ops/chunk_copier.py``.
+so copies run in source order: each source file is read front to back (remote: over one
+streamed request per file, several files at once). The copy jobs are ``ops/chunk_copier.py``.
 
 Row-block chunks (FSDP2 ``Shard(0)``: offsets ``(k, 0, ..)``, full trailing dims) are one
 contiguous byte range of the output. They are copied in-kernel (``copy_file_range``) while a
@@ -113,7 +113,7 @@ def consolidate(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
         force: replace an existing output (of a folder, only its weight files); else refuse.
         verify: re-read the output and compare xxh3 checksums with the bytes copied.
         check_crc: check every source record's CRC-32 (False saves a read of the source).
-        workers: threads for copy and check jobs (default 2; 8 ranged requests if remote).
+        workers: threads for copy and check jobs (default 2; 8 files streamed at once if remote).
         progress: called as ``progress(bytes_done, bytes_total)`` from the calling thread; an
             exception it raises (e.g. ``KeyboardInterrupt``) aborts and removes the output.
 
