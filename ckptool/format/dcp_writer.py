@@ -34,6 +34,8 @@ from ckptool.format.dtypes import DType
 from ckptool.format.torch_records import contiguous_strides
 from ckptool.format.crc import crc32
 from ckptool.format.metadata import METADATA, CheckpointMetadata, StorageRef
+from ckptool.storage import BLOCK
+from ckptool.storage.local import start_writeback
 
 _FADVISE = hasattr(os, "posix_fadvise")
 #: ``DistcpFile.copy_range`` asks the kernel to read this far ahead of the copy.
@@ -283,6 +285,7 @@ class DistcpFile:
         self._hash = xxhash.xxh3_64()
         self._kernel_copy = hasattr(os, "copy_file_range")
         self.size = 0
+        self._written_out = 0  # bytes before this were handed to ``start_writeback``
 
     def __enter__(self) -> DistcpFile:
         return self
@@ -298,6 +301,7 @@ class DistcpFile:
             n = os.write(self._fd, view)
             view = view[n:]
             self.size += n
+        self._write_out()
 
     def copy_range(self, fd: int, offset: int, length: int, buf: bytearray,
                    where: str, *, read_back: bool = False) -> Iterator[memoryview]:
@@ -305,11 +309,9 @@ class DistcpFile:
         block in views of ``buf`` (valid until the next one), read after the copy (from the
         page cache) for the hash and the caller's CRC-32.
 
-        Without ``read_back`` the bytes yielded are ``fd``'s: what the copy put in this file
-        is not read here, and a verification reads the records back
-        (``dcp_output.check_record``) and compares them with these bytes' CRC-32. With
-        ``read_back`` they are this file's, as the copy left them: for a source whose stored
-        CRC-32 the caller compares them with, which proves the source and the copy at once.
+        Without ``read_back`` they are ``fd``'s (a verification reads the records back:
+        ``dcp_output.check_record``); with it, this file's, as the copy left them, for a caller
+        comparing them with the source's stored CRC-32 (which proves source and copy at once).
 
         Raises:
             CorruptCheckpointError: ``fd`` ends before (``where`` names it).
@@ -331,6 +333,13 @@ class DistcpFile:
             self.size += n
             offset += n
             yield view[:n]
+            self._write_out()
+
+    def _write_out(self) -> None:
+        """Every ``BLOCK`` appended, have the disk start writing it (the final fsync waits less)."""
+        if self.size - self._written_out >= BLOCK:
+            start_writeback(self._fd, self._written_out, self.size - self._written_out)
+            self._written_out = self.size
 
     def _copy(self, fd: int, offset: int, want: int, view: memoryview) -> int:
         """Copy up to ``want`` bytes in the kernel; through ``view`` where it cannot (e.g.

@@ -28,6 +28,7 @@ from ckptool.format.dtype_cast import CASTABLE, cast_bytes
 from ckptool.format.dtypes import DType
 from ckptool.format.staged_output import StagedOutput
 from ckptool.storage import BLOCK
+from ckptool.storage.local import start_writeback
 
 __all__ = ["CASTABLE", "INDEX_NAME", "MAX_HEADER", "SINGLE_NAME", "FileLayout", "OutputFile",
            "StagedOutput", "TensorSpec", "cast_bytes", "index_json", "plan_file", "shard_filenames",
@@ -38,7 +39,6 @@ SINGLE_NAME = "model.safetensors"
 #: safetensors refuses headers larger than this (100 MB); so do we, before writing anything.
 MAX_HEADER = 100_000_000
 _ALIGN = 8
-_WRITEBACK_MIN = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -214,11 +214,8 @@ class OutputFile:
             src_offset, offset, length = src_offset + len(data), offset + len(data), length - len(data)
 
     def _writeback(self, offset: int, length: int) -> None:
-        # Start writing these pages to disk now (async: WB_SYNC_NONE), so disk writes overlap
-        # the reads that follow and the final fsync has little left. Otherwise the kernel
-        # starts writeback only at 10% of RAM dirty, i.e. not at all for a 2 GB export here.
-        if self._fsync and length >= _WRITEBACK_MIN and hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(self.fd, offset, length, os.POSIX_FADV_DONTNEED)  # type: ignore[arg-type]
+        if self._fsync:  # (an output that is not fsynced need not be written out early)
+            start_writeback(self.fd, offset, length)
 
     def verify(self) -> None:
         """Re-read every tracked write from disk and compare its xxh3-64 (file must be closed).
