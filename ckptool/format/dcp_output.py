@@ -86,7 +86,9 @@ def rank_file_name(rank: int) -> str:
 
 def write_rank_files(folder: Path, ranks: list[list[Item]], write_item: ItemWriter, *,
                      ticker: Ticker, workers: int,
-                     check: Callable[[Item], Expected] | None = None) -> list[WrittenFile[Item]]:
+                     check: Callable[[Item], Expected] | None = None,
+                     meanwhile: Callable[[list[WrittenFile[Item]]], None] | None = None
+                     ) -> list[WrittenFile[Item]]:
     """Write ``folder/__r_0.distcp`` holding ``ranks[r]``'s items, for every rank.
 
     Args:
@@ -97,9 +99,13 @@ def write_rank_files(folder: Path, ranks: list[list[Item]], write_item: ItemWrit
         workers: files written at once (each with one ``BLOCK`` buffer).
         check: if given, read every record back after writing it; ``check(item)`` says what
             it must hold.
+        meanwhile: called with the written files once all are written, while the last ones
+            are still being fsynced (the disk's cache flush leaves the CPU idle): the index,
+            the verification. Nothing it does may need the files durable.
 
     Returns:
-        One ``WrittenFile`` per rank, in rank order; every file is fsynced.
+        One ``WrittenFile`` per rank, in rank order; every file is fsynced (also when
+        ``meanwhile`` raises: the error is raised after the fsyncs).
 
     Raises:
         CorruptCheckpointError: a record read back differs from what was written (``check``).
@@ -113,6 +119,8 @@ def write_rank_files(folder: Path, ranks: list[list[Item]], write_item: ItemWrit
             return done
 
         results = run_jobs(ticker, one, list(range(len(ranks))), workers)
+        if meanwhile is not None:
+            meanwhile(results)
         for f in flushed:
             f.result()
     return results

@@ -141,13 +141,17 @@ def _write_output(source: RowSource, tmp: Path, plan: list[list[_Item]], *, out:
     """The ``.distcp`` files and ``.metadata`` in ``tmp`` (verified if asked): name -> (size,
     xxh3-64)."""
     ticker = Ticker(progress, sum(t.nbytes for t in source.ck.meta.tensors.values()))
+
+    def index_and_verify(written: list[WrittenFile[_Item]]) -> None:  # while files are fsynced
+        source.check_crcs()
+        write_metadata(tmp, _output_metadata(source.ck.meta, written), checkpoint_id=str(out))
+        if verify:
+            _verify(source, tmp)
+
     written = write_rank_files(tmp, plan, _Copier(source, ticker).write_item, ticker=ticker,
                                workers=local_workers(source.ck.storage.is_local),
-                               check=partial(_expected, source.ck.meta) if verify else None)
-    source.check_crcs()
-    write_metadata(tmp, _output_metadata(source.ck.meta, written), checkpoint_id=str(out))
-    if verify:
-        _verify(source, tmp)
+                               check=partial(_expected, source.ck.meta) if verify else None,
+                               meanwhile=index_and_verify)
     files = {w.name: (w.size, w.digest) for w in written}
     files[METADATA] = mf.file_checksum(Storage.open(tmp), METADATA)
     return files

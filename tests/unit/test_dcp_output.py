@@ -170,3 +170,16 @@ def test_copy_range_falls_back_where_the_kernel_cannot_copy(tmp_path, monkeypatc
     assert (tmp_path / "out").read_bytes() == b"x" + data
     assert f.size == 1 + len(data)
     assert f.digest == xxhash.xxh3_64(b"x" + data).hexdigest()
+
+
+def test_meanwhile_sees_every_file_written_and_its_error_is_raised(tmp_path):
+    seen = []
+
+    def index(written):
+        seen.append([(w.name, (tmp_path / w.name).stat().st_size == w.size) for w in written])
+        raise CorruptCheckpointError("index failed")
+
+    with pytest.raises(CorruptCheckpointError, match="index failed"):
+        write_rank_files(tmp_path, [_items(2), _items(1)], _write_whole, ticker=Ticker(None, 0),
+                         workers=2, meanwhile=index)
+    assert seen == [[(rank_file_name(0), True), (rank_file_name(1), True)]]
