@@ -14,10 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from ckptool.format import manifest as mf
+from ckptool.format.hf_source import ASSETS_DIR
 from ckptool.storage import Storage
 
-#: Where a checkpoint keeps its Hugging Face asset files (as ``ckptool import`` writes them).
-ASSETS_DIR = "hf_assets"
 
 
 @dataclass

@@ -6,7 +6,9 @@ where its bytes come from); every finished file is fsynced by one flusher thread
 next ones are written. With ``check``, each record is read back right after it is written,
 while the page cache still holds it: it must parse, hold the dtype and shape planned (or a
 value), and every entry's CRC-32 must match the bytes in the file (what ``validate --deep``
-checks of a record), so verification overlaps the copy instead of re-reading the output.
+checks of a record), so verification overlaps the copy instead of re-reading the output;
+what each record was found to hold is kept (``WrittenFile.checked``) so that the final check
+of the index (``read_back_crc``) reads nothing again.
 ``write_tensor`` writes one tensor record whose data arrives in pieces, computing the record's
 CRC-32 on the way (and each piece's, for callers that prove their source's checksums with
 them). Torch-free.
@@ -18,7 +20,7 @@ import os
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -27,14 +29,15 @@ from ckptool.format.copy_engine import Ticker, fsync_file, run_jobs, unverified
 from ckptool.format.crc import crc32, crc32_combine
 from ckptool.format.dcp_writer import DistcpFile, TensorRecord
 from ckptool.format.dtypes import DType
-from ckptool.format.metadata import METADATA, StorageRef
+from ckptool.format.metadata import METADATA, StorageRef, TensorEntry
 from ckptool.format.torch_records import RecordReader
 from ckptool.storage import BLOCK, RangeReader, Storage
 
 Item = TypeVar("Item")
 #: ``write_item(file, item, buf)`` appends one item's record; ``buf`` is the worker's block buffer.
-#: It returns True when the record's data CRC-32 was computed from the bytes in the file and
-#: proven against a stored source CRC-32 (the read-back then skips the data).
+#: It returns True when the record's data in the file is proven to hold the bytes its CRC-32
+#: was computed from (the copy compared with the source's bytes, or its CRC-32 with the
+#: source's stored one): the read-back then skips the data.
 ItemWriter = Callable[[DistcpFile, Item, bytearray], bool | None]
 #: What a record must hold: (dtype, shape) of a tensor, None for a non-tensor value.
 Expected = tuple[DType, tuple[int, ...]] | None
@@ -47,23 +50,32 @@ class FileRange:
     """A piece of tensor data that is ``length`` bytes at ``offset`` of the open local file
     ``fd`` (copied in the kernel by ``write_tensor``); ``where`` names the file for errors.
     ``read_back``: its CRC-32 is computed from the copy in the output, not from ``fd`` (for a
-    caller that compares it with the source's stored CRC-32)."""
+    caller that compares it with the source's stored CRC-32). ``compare``: the copy is read
+    too and must equal the source's bytes (for a source with no stored checksum)."""
 
     fd: int
     offset: int
     length: int
     where: str
     read_back: bool = False
+    compare: bool = False
+
+
+#: What reading a tensor record back found: (CRC-32, length, shape) of its data, for a
+#: record whose data entry is exactly the tensor's row-major bytes.
+Checked = tuple[int, int, tuple[int, ...]]
 
 
 @dataclass(frozen=True)
 class WrittenFile(Generic[Item]):
-    """One output file: its name, size, xxh3-64, and where each of its items went (in order)."""
+    """One output file: its name, size, xxh3-64, where each of its items went (in order), and
+    (when read back) what each tensor record was found to hold, by (offset, length)."""
 
     name: str
     size: int
     digest: str
     items: list[tuple[Item, StorageRef]]
+    checked: dict[tuple[int, int], Checked] = field(default_factory=dict)
 
 
 def check_world_size(world_size: int) -> None:
@@ -128,7 +140,7 @@ def write_rank_files(folder: Path, ranks: list[list[Item]], write_item: ItemWrit
 
 def _write_file(path: Path, items: list[Item], write_item: ItemWriter,
                 check: Callable[[Item], Expected] | None) -> WrittenFile[Item]:
-    placed = []
+    placed, checked = [], {}
     buf = bytearray(BLOCK)
     with DistcpFile(path) as f, ExitStack() as stack:
         back = stack.enter_context(Storage.open(path.parent).reader(f.name)) if check else None
@@ -137,14 +149,17 @@ def _write_file(path: Path, items: list[Item], write_item: ItemWriter,
             proven = write_item(f, item, buf)
             ref = StorageRef(f.name, start, f.size - start)
             if back is not None:
-                check_record(back, ref, check(item), buf, data=not proven)  # type: ignore[misc]
+                found = check_record(back, ref, check(item), buf,  # type: ignore[misc]
+                                     data=not proven)
+                if found is not None:
+                    checked[(ref.offset, ref.length)] = found
             placed.append((item, ref))
         f.close(sync=False)
-    return WrittenFile(f.name, f.size, f.digest, placed)
+    return WrittenFile(f.name, f.size, f.digest, placed, checked)
 
 
 def check_record(reader: RangeReader, ref: StorageRef, expected: Expected,
-                 buf: bytearray, *, data: bool = True) -> None:
+                 buf: bytearray, *, data: bool = True) -> Checked | None:
     """Read one record back: it parses, holds ``expected`` and every entry's CRC-32 matches.
 
     Args:
@@ -155,12 +170,16 @@ def check_record(reader: RangeReader, ref: StorageRef, expected: Expected,
         data: check the CRC-32 of a tensor's data entry too (False: the writer computed it
             from these bytes and proved it already).
 
+    Returns:
+        For a tensor record whose data entry is exactly the tensor's bytes, what it holds
+        (``Checked``: its data's stored CRC-32, now proven); else None.
+
     Raises:
         CorruptCheckpointError: "verification failed, nothing was committed: ..." naming the
             file and the problem.
     """
     where = f"{reader.storage.url_of(ref.relative_path)} (record at byte {ref.offset})"
-    problem = None
+    problem, found = None, None
     try:
         rec = RecordReader(reader, ref, where, preload=_PRELOAD)
         skip = None
@@ -169,6 +188,8 @@ def check_record(reader: RangeReader, ref: StorageRef, expected: Expected,
         else:
             loc = rec.tensor()
             skip = None if data else loc.entry.name
+            if loc.contiguous and loc.storage_offset == 0 and loc.entry.size == loc.nbytes:
+                found = (loc.entry.crc, loc.entry.size, loc.shape)
             if (loc.dtype, loc.shape) != expected:
                 problem = (f"{where} holds {loc.dtype} {list(loc.shape)}, written as {expected[0]} "
                            f"{list(expected[1])}")
@@ -184,6 +205,27 @@ def check_record(reader: RangeReader, ref: StorageRef, expected: Expected,
         problem = str(e)
     if problem is not None:
         raise unverified(where, problem)
+    return found
+
+
+def read_back_crc(t: TensorEntry, written: dict[str, WrittenFile[Any]]
+                  ) -> tuple[int, int] | None:
+    """(CRC-32, length) of tensor ``t`` of a written index, in row-major order, from what its
+    records held when read back as written (``WrittenFile.checked``; no file is read again);
+    None when some chunk's record was not read back so, or holds another shape (the caller
+    reads the tensor then)."""
+    blocks = t.row_blocks()
+    if blocks is None:
+        return None
+    crc = size = 0
+    for c in blocks:
+        ref = c.storage
+        w = written.get(ref.relative_path) if ref is not None else None
+        got = w.checked.get((ref.offset, ref.length)) if w is not None else None  # type: ignore[union-attr]
+        if got is None or got[2] != c.sizes:
+            return None
+        crc, size = crc32_combine(crc, got[0], got[1]), size + got[1]
+    return crc, size
 
 
 def _crc_at(reader: RangeReader, pos: int, size: int, buf: bytearray) -> int | None:
@@ -225,7 +267,7 @@ def write_tensor(f: DistcpFile, dtype: DType, sizes: tuple[int, ...],
         part = length = 0
         copied = isinstance(piece, FileRange)
         blocks = (f.copy_range(piece.fd, piece.offset, piece.length, buf, piece.where,
-                               read_back=piece.read_back)
+                               read_back=piece.read_back, compare=piece.compare)
                   if isinstance(piece, FileRange) else piece)
         for data in blocks:
             part = crc32(data, part)

@@ -34,6 +34,8 @@ ASSET_NAMES = ("config.json", "generation_config.json", "tokenizer.json", "token
                "merges.txt", "vocab.txt", "spiece.model", "sentencepiece.bpe.model",
                "chat_template.jinja", "chat_template.json", "preprocessor_config.json")
 MAX_ASSET_BYTES = 256 << 20
+#: Where a checkpoint keeps its Hugging Face asset files (as ``ckptool import`` writes them).
+ASSETS_DIR = "hf_assets"
 
 #: The output head that ``tie_word_embeddings`` ties to the input embedding.
 HEAD_NAME = "lm_head.weight"

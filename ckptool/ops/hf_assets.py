@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 from ckptool.errors import ConfigError, CorruptCheckpointError, IncompatibleCheckpointError
-from ckptool.format.hf_source import (ASSET_NAMES, HEAD_NAME, MAX_ASSET_BYTES, input_embeddings,
-                                     ties_embeddings)
+from ckptool.format import manifest as mf
+from ckptool.format.copy_engine import fsync_file
+from ckptool.format.hf_source import (ASSET_NAMES, ASSETS_DIR, HEAD_NAME, MAX_ASSET_BYTES,
+                                     HFSource, input_embeddings, ties_embeddings)
 from ckptool.format.manifest import Manifest
 from ckptool.format.metadata import TensorEntry
 from ckptool.format.reader import CheckpointReader
@@ -137,3 +140,18 @@ def _equal(ck: CheckpointReader, a: TensorEntry, b: TensorEntry) -> bool:
     if [(c.offsets, c.sizes) for c in ca] != [(c.offsets, c.sizes) for c in cb]:
         return False
     return all(ck.read_chunk(a, x) == ck.read_chunk(b, y) for x, y in zip(ca, cb))
+
+
+def copy_assets(source: HFSource, tmp: Path) -> dict[str, tuple[int, str]]:
+    """Copy ``ckptool import``'s source's asset files into ``tmp/hf_assets/`` (fsynced); their
+    (size, xxh3-64) by relative path."""
+    if not source.assets:
+        return {}
+    (tmp / ASSETS_DIR).mkdir()
+    out = {}
+    for name, path in sorted(source.assets.items()):
+        rel = f"{ASSETS_DIR}/{name}"
+        shutil.copyfile(path, tmp / rel, follow_symlinks=True)
+        fsync_file(tmp / rel)
+        out[rel] = mf.file_checksum(Storage.open(tmp), rel)
+    return out

@@ -8,10 +8,14 @@ Records come from ``format/dcp_writer.py`` (byte-identical to ``torch.save``); w
 progress, verification and the commit are reshard's (``ops/reshard.py``).
 
 Bytes move without torch: each output row block is one contiguous range of a source file,
-copied in the kernel (``os.copy_file_range``) and re-read from the page cache for its CRC-32,
-or, when cast (``--dtype float32``, the default: FSDP2 master weights; bf16 -> fp32 is exact),
-read and cast with numpy in 2 MiB blocks. Verification reads each record back right after it
-is written and compares every tensor's CRC-32 with the CRC-32 of the (cast) source rows. A
+copied in the kernel (``os.copy_file_range``) 512 KiB at a time, the source's bytes re-read
+for the record's CRC-32 and, when verifying, the copy's compared with them while both are in
+the CPU's cache (safetensors store no checksum to check a copy against); or, when cast
+(``--dtype float32``, the default: FSDP2 master weights; bf16 -> fp32 is exact), read and
+cast with numpy in 2 MiB blocks. Verification reads each record back right after it is
+written (its data too, unless compared as copied), and, while the files are fsynced, checks
+that the written index points every chunk at a record whose CRC-32s add up to the CRC-32 of
+the (cast) source rows. A
 tied model whose files store no ``lm_head.weight`` gets it from the input embedding, as
 ``state_dict()`` lists it. The source's config and tokenizer files are copied to
 ``hf_assets/`` and listed in ``ckptool.json`` (``config["hf_config"]``,
@@ -19,14 +23,14 @@ tied model whose files store no ``lm_head.weight`` gets it from the input embedd
 
 Peak memory: one 8 MiB read buffer and its cast per worker; it does not grow with the model.
 Output goes to a temporary folder renamed at the end: ``.distcp`` files (fsynced, records
-checked as written), assets, ``.metadata``, verification, ``ckptool.json``.
+checked as written), then, while the last of them are fsynced, assets, ``.metadata`` and the
+verification; ``ckptool.json`` last.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import shutil
 import time
 import uuid
 from collections import defaultdict
@@ -40,22 +44,21 @@ from ckptool.errors import ConfigError, CorruptCheckpointError, IncompatibleChec
 from ckptool.format import manifest as mf
 from ckptool.format.crc import crc32_combine
 from ckptool.format.dcp_output import (Expected, FileRange, WrittenFile, check_world_size,
-                                       file_sizes, local_workers, write_rank_files, write_tensor)
+                                       file_sizes, local_workers, read_back_crc,
+                                       write_rank_files, write_tensor)
 from ckptool.format.dcp_writer import V2_DTYPES, DistcpFile, write_metadata
 from ckptool.format.fsdp_layout import fsdp_chunks
 from ckptool.format.dtypes import DTYPES, DType
-from ckptool.format.hf_source import (HEAD_NAME, KNOWN_EMBEDDINGS, HFSource, SourceTensor,
-                                     input_embeddings, open_source, ties_embeddings)
+from ckptool.format.hf_source import (ASSETS_DIR, HEAD_NAME, KNOWN_EMBEDDINGS, HFSource,
+                                     SourceTensor, input_embeddings, open_source,
+                                     ties_embeddings)
 from ckptool.format.metadata import METADATA, CheckpointMetadata, Chunk, TensorEntry
-from ckptool.format.reader import CheckpointReader
 from ckptool.format.safetensors_writer import CASTABLE, cast_bytes
-from ckptool.format.copy_engine import (Progress, Ticker, fsync_file, new_output_folder,
-                                        unverified)
-from ckptool.format.row_source import RowSource, tensor_crc
+from ckptool.format.copy_engine import Progress, Ticker, new_output_folder, unverified
+from ckptool.ops.hf_assets import copy_assets
 from ckptool.storage import Storage, atomic_path
 
 DTYPE_CHOICES = ("float32", "keep")
-ASSETS_DIR = "hf_assets"
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(?:@[\w./-]+)?")
 _FADVISE = hasattr(os, "posix_fadvise")
 _CAST_BLOCK = 2 << 20
@@ -170,13 +173,13 @@ def _write_output(tmp: Path, source: HFSource, plan: list[_Out],
 
     def finish(written: list[WrittenFile[tuple[_Out, Chunk]]]) -> None:  # while files are fsynced
         files.update({w.name: (w.size, w.digest) for w in written})
-        files.update(_copy_assets(source, tmp))
+        files.update(copy_assets(source, tmp))
         write_metadata(tmp, _metadata(plan, written), checkpoint_id=str(out))
         if verify:
-            _verify(tmp, plan, copier.crcs)
+            _verify(tmp, plan, copier.crcs, written)
         files[METADATA] = mf.file_checksum(Storage.open(tmp), METADATA)
 
-    with _Copier(ticker, {o.src.path for o in plan}) as copier:
+    with _Copier(ticker, {o.src.path for o in plan}, compare=verify) as copier:
         write_rank_files(tmp, ranks, copier.write_item, ticker=ticker, workers=local_workers(),
                          check=_expected if verify else None, meanwhile=finish)
     return files
@@ -286,10 +289,12 @@ def _metadata(plan: list[_Out], written: list[WrittenFile[tuple[_Out, Chunk]]]
 
 class _Copier:
     """Writes import's rank chunks from the open source files, casting when asked; keeps the
-    CRC-32 of every chunk written for the verification."""
+    CRC-32 of every chunk written for the verification. ``compare``: each copy is read back
+    and compared with the source's bytes as it is made."""
 
-    def __init__(self, ticker: Ticker, paths: set[str]) -> None:
+    def __init__(self, ticker: Ticker, paths: set[str], *, compare: bool) -> None:
         self.ticker = ticker
+        self.compare = compare
         self.paths = sorted(paths)
         self.fds: dict[str, int] = {}
         self.crcs: dict[tuple[str, int], int] = {}  # (fqn, first row) -> CRC-32 written
@@ -303,7 +308,9 @@ class _Copier:
         for fd in self.fds.values():
             os.close(fd)
 
-    def write_item(self, f: DistcpFile, item: tuple[_Out, Chunk], buf: bytearray) -> None:
+    def write_item(self, f: DistcpFile, item: tuple[_Out, Chunk], buf: bytearray) -> bool:
+        """Append one chunk's record; True when its data was compared with the source's as it
+        was copied (the read-back then skips the data)."""
         o, chunk = item
         t = o.src
         row = t.nbytes // t.shape[0] if t.shape else t.nbytes
@@ -311,7 +318,8 @@ class _Copier:
         length = (chunk.sizes[0] if chunk.sizes else 1) * row
         start = t.offset + lo * row
         if t.dtype == o.dtype:
-            piece: FileRange | Iterable[Any] = FileRange(self.fds[t.path], start, length, t.path)
+            piece: FileRange | Iterable[Any] = FileRange(self.fds[t.path], start, length, t.path,
+                                                         compare=self.compare)
         else:  # a cast allocates a few times its output: cast 2 MiB at a time
             piece = (cast_bytes(data, t.dtype, o.dtype) for data in
                      _read(self.fds[t.path], start, length, memoryview(buf)[:_CAST_BLOCK], t.path))
@@ -319,6 +327,7 @@ class _Copier:
         [(crc, _)] = write_tensor(f, o.dtype, chunk.sizes, [piece],
                                   lambda n: self.ticker.add(n * ratio[0] // ratio[1]), buf)
         self.crcs[(o.fqn, lo)] = crc
+        return isinstance(piece, FileRange) and self.compare
 
 
 def _read(fd: int, start: int, length: int, buf: memoryview, where: str):
@@ -337,28 +346,16 @@ def _read(fd: int, start: int, length: int, buf: memoryview, where: str):
         done += n
 
 
-def _copy_assets(source: HFSource, tmp: Path) -> dict[str, tuple[int, str]]:
-    """Copy the asset files into ``hf_assets/``; their (size, xxh3-64) by relative path."""
-    if not source.assets:
-        return {}
-    (tmp / ASSETS_DIR).mkdir()
-    out = {}
-    for name, path in sorted(source.assets.items()):
-        rel = f"{ASSETS_DIR}/{name}"
-        shutil.copyfile(path, tmp / rel, follow_symlinks=True)
-        fsync_file(tmp / rel)
-        out[rel] = mf.file_checksum(Storage.open(tmp), rel)
-    return out
-
-
 # ---------------------------------------------------------------------------------------------
 # Verification and manifest
 
 
-def _verify(folder: Path, plan: list[_Out], crcs: dict[tuple[str, int], int]) -> None:
+def _verify(folder: Path, plan: list[_Out], crcs: dict[tuple[str, int], int],
+            written: list[WrittenFile[tuple[_Out, Chunk]]]) -> None:
     """Validate the output (its records were deep-checked as they were written: parsed, dtype
-    and shape, CRC-32 of every entry); then every tensor's row-major CRC-32, from its verified
-    records, must equal the CRC-32 of the (cast) source rows computed while copying."""
+    and shape, CRC-32 of every entry); then every tensor's row-major CRC-32, from the records
+    the written index points to, must equal the CRC-32 of the (cast) source rows computed
+    while copying."""
     from ckptool.ops.validate import validate
 
     report = validate(str(folder))
@@ -367,19 +364,18 @@ def _verify(folder: Path, plan: list[_Out], crcs: dict[tuple[str, int], int]) ->
     meta = report.metadata[""]
     if set(meta.tensors) != {o.fqn for o in plan}:
         raise unverified(str(folder), "the written index does not list the planned tensors")
-    with CheckpointReader(Storage.open(folder), meta) as ck:
-        out = RowSource(ck)
-        for o in plan:
-            t = meta.tensors[o.fqn]
-            if t.shape != o.src.shape or t.dtype != o.dtype:
-                raise unverified(str(folder), f"{o.fqn} is {t.dtype} {list(t.shape)}, planned "
-                                  f"{o.dtype} {list(o.src.shape)}")
-            want, size = 0, 0
-            for c in sorted(t.chunks, key=lambda c: c.offsets):
-                n, row = c.numel * t.dtype.itemsize, c.offsets[0] if c.offsets else 0
-                want, size = crc32_combine(want, crcs[(o.fqn, row)], n), size + n
-            if tensor_crc(out, t) != (want, size):
-                raise unverified(str(folder), f"{o.fqn} differs from the source rows")
+    files = {w.name: w for w in written}
+    for o in plan:
+        t = meta.tensors[o.fqn]
+        if t.shape != o.src.shape or t.dtype != o.dtype:
+            raise unverified(str(folder), f"{o.fqn} is {t.dtype} {list(t.shape)}, planned "
+                                          f"{o.dtype} {list(o.src.shape)}")
+        want, size = 0, 0
+        for c in sorted(t.chunks, key=lambda c: c.offsets):
+            n, row = c.numel * t.dtype.itemsize, c.offsets[0] if c.offsets else 0
+            want, size = crc32_combine(want, crcs[(o.fqn, row)], n), size + n
+        if read_back_crc(t, files) != (want, size):
+            raise unverified(str(folder), f"{o.fqn} differs from the source rows")
 
 
 def _write_manifest(tmp: Path, source: HFSource, label: str, world_size: int, dtype: str,

@@ -10,20 +10,22 @@ source cannot tell parameters from buffers, so all its tensors with dims are sha
 
 Bytes move without torch, through ``format/dcp_output.py`` (the writer ``import`` shares): an
 output row block is contiguous byte ranges of the source's row-block records, copied in the
-kernel in 8 MiB blocks (``os.copy_file_range``) and re-read from the output (page cache) for
-the new record's CRC-32; these pieces, combined with ``crc32_combine``, must equal every
+kernel 512 KiB at a time (``os.copy_file_range``) and re-read from the output (page cache)
+for the new record's CRC-32; these pieces, combined with ``crc32_combine``, must equal every
 source record's stored CRC-32, which proves the source and the copy in one read: damaged
-input is refused, never laundered, and the record's data needs no read-back. Other chunk layouts
-(e.g. 2-D sharding, strided records) are assembled one output chunk at a time with numpy.
+input is refused, never laundered, and the record's data needs no read-back. A range with no
+stored CRC-32 to meet (DCP's safetensors storage) has its copy compared with the source's
+bytes as it is made, when verifying. Other chunk layouts (e.g. 2-D sharding, strided
+records) are assembled one output chunk at a time with numpy.
 Verification reads each record back right after it is written (page cache: parse, dtype and
 shape, CRC-32 of every entry against the bytes in the file, but for data proven as above),
-validates the output's index,
-then compares each tensor's CRC-32 over its row-major bytes, source vs output, derived from
-the verified per-record CRCs (no extra read).
+then, while the files are fsynced, validates the output's index and compares each tensor's
+CRC-32 over its row-major bytes, source vs the records the index names, derived from the
+verified per-record CRCs (no extra read).
 
 Peak memory: one 8 MiB buffer per worker, plus one output chunk for non-row-block layouts.
 Output goes to a temporary folder renamed at the end (``atomic_path``): ``.distcp`` files
-(fsynced), then ``.metadata``, then ``ckptool.json``.
+(fsynced; ``.metadata`` is written while the last of them are), then ``ckptool.json``.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ from ckptool._version import __version__
 from ckptool.errors import ConfigError, IncompatibleCheckpointError
 from ckptool.format import manifest as mf
 from ckptool.format.dcp_output import (Expected, FileRange, WrittenFile, check_world_size,
-                                       file_sizes, local_workers, write_rank_files, write_tensor)
+                                       file_sizes, local_workers, read_back_crc,
+                                       write_rank_files, write_tensor)
 from ckptool.format.dcp_writer import DistcpFile, write_metadata
 from ckptool.format.fsdp_layout import fsdp_chunks
 from ckptool.format.checkpoint_dirs import CheckpointDir, resolve_checkpoint, step_of
@@ -146,9 +149,9 @@ def _write_output(source: RowSource, tmp: Path, plan: list[list[_Item]], *, out:
         source.check_crcs()
         write_metadata(tmp, _output_metadata(source.ck.meta, written), checkpoint_id=str(out))
         if verify:
-            _verify(source, tmp)
+            _verify(source, tmp, written)
 
-    written = write_rank_files(tmp, plan, _Copier(source, ticker).write_item, ticker=ticker,
+    written = write_rank_files(tmp, plan, _Copier(source, ticker, compare=verify).write_item, ticker=ticker,
                                workers=local_workers(source.ck.storage.is_local),
                                check=partial(_expected, source.ck.meta) if verify else None,
                                meanwhile=index_and_verify)
@@ -295,15 +298,18 @@ def _write_manifest(ckpt: CheckpointDir, tmp: Path, world_size: int, n_src: int 
 
 class _Copier:
     """Writes reshard's items from a tracked ``RowSource``, keeping the CRC-32 of every source
-    piece read so that ``check_crcs`` proves each source record."""
+    piece read so that ``check_crcs`` proves each source record. ``compare``: a copied piece
+    with no stored CRC-32 to meet is read back and compared with the source as it is made."""
 
-    def __init__(self, src: RowSource, ticker: Ticker) -> None:
+    def __init__(self, src: RowSource, ticker: Ticker, *, compare: bool) -> None:
         self.src = src
         self.ticker = ticker
+        self.compare = compare
 
     def write_item(self, f: DistcpFile, item: _Item, buf: bytearray) -> bool:
-        """Append ``item``'s record; True when every data byte was read back from ``f`` and
-        its CRC-32 goes to ``check_crcs`` (so the record's data needs no second read)."""
+        """Append ``item``'s record; True when every data byte of it in ``f`` is proven (read
+        back: its CRC-32 goes to ``check_crcs``, or it was compared with the source), so the
+        record's data needs no second read."""
         if item.chunk is None:
             ref = self.src.ck.meta.objects[item.fqn].storage
             self.src.ck.record(ref, item.fqn).verify_crc()  # type: ignore[arg-type]
@@ -323,33 +329,36 @@ class _Copier:
                 else:  # with a stored CRC-32 to meet, the copy's bytes are checked, not the source's
                     yield FileRange(piece.reader.fileno, piece.start, piece.length,
                                     piece.reader.storage.url_of(piece.reader.rel),
-                                    read_back=piece.key is not None)
+                                    read_back=piece.key is not None,
+                                    compare=piece.key is None and self.compare)
 
         parts = write_tensor(f, t.dtype, chunk.sizes, pieces(), self.ticker.add, buf)
         for r, (crc, _) in zip(ranges, parts):
             if r is not None and r.key is not None:
                 self.src.pieces.append((r.key, r.rel, r.length, crc))
-        return all(r is not None and r.key is not None and r.reader.fileno is not None
-                   for r in ranges)
+        return all(r is not None and r.reader.fileno is not None
+                   and (r.key is not None or self.compare) for r in ranges)
 
 
 # ---------------------------------------------------------------------------------------------
 # Verification
 
 
-def _verify(src: RowSource, folder: Path) -> None:
+def _verify(src: RowSource, folder: Path, written: list[WrittenFile[_Item]]) -> None:
     """Validate the output (its records were deep-checked as they were written: parsed, dtype
-    and shape, CRC-32 of every entry); then each tensor's row-major CRC-32 must equal the
-    source's."""
+    and shape, CRC-32 of every entry); then each tensor's row-major CRC-32, from the records
+    the written index points to, must equal the source's."""
     from ckptool.ops.validate import validate
 
     report = validate(str(folder))
     if not report.ok:
         raise unverified(str(folder), report.errors[0].message)
+    files = {w.name: w for w in written}
     with CheckpointReader(Storage.open(folder), report.metadata[""]) as ck:
         out = RowSource(ck)
         for fqn, t in src.ck.meta.tensors.items():
-            a, b = tensor_crc(src, t), tensor_crc(out, ck.meta.tensors[fqn])
+            b = read_back_crc(ck.meta.tensors[fqn], files)
+            a, b = tensor_crc(src, t), b if b is not None else tensor_crc(out, ck.meta.tensors[fqn])
             if a is None:  # a source record whose CRC does not cover exactly the tensor
                 a, b = tensor_digest(RowSource(src.ck), t), tensor_digest(out, ck.meta.tensors[fqn])
             if a != b:
