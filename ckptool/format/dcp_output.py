@@ -245,7 +245,7 @@ def _crc_at(reader: RangeReader, pos: int, size: int, buf: bytearray) -> int | N
 
 def write_tensor(f: DistcpFile, dtype: DType, sizes: tuple[int, ...],
                  pieces: Iterable[FileRange | Iterable[Any]], tick: Callable[[int], None],
-                 buf: bytearray) -> list[tuple[int, int]]:
+                 buf: bytearray, *, compare: bool = False) -> list[tuple[int, int]]:
     """Append the ``torch.save`` record of a tensor whose row-major data comes in ``pieces``.
 
     Args:
@@ -256,6 +256,8 @@ def write_tensor(f: DistcpFile, dtype: DType, sizes: tuple[int, ...],
             buffers (e.g. casts of source blocks).
         tick: called with each block's length after it is written (progress, abort).
         buf: the worker's block buffer (for ``FileRange`` pieces).
+        compare: read each buffer of an iterable piece back as it is written and require it
+            equal (``FileRange`` pieces say for themselves).
 
     Returns:
         ``(crc32, length)`` of every piece, in order; the record's CRC-32 is their combination.
@@ -272,7 +274,7 @@ def write_tensor(f: DistcpFile, dtype: DType, sizes: tuple[int, ...],
         for data in blocks:
             part = crc32(data, part)
             if not copied:
-                f.write(data)
+                f.write(data, compare=compare)
             length += len(data)
             tick(len(data))
             del data  # before the next block is made (a cast allocates)

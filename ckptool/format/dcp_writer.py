@@ -234,14 +234,20 @@ class DistcpFile:
     def __exit__(self, exc_type: object, *exc: object) -> None:
         self.close(sync=exc_type is None)
 
-    def write(self, data: Any) -> None:
-        """Append bytes (any buffer)."""
+    def write(self, data: Any, *, compare: bool = False) -> None:
+        """Append bytes (any buffer); with ``compare``, read them back and require them equal
+        (``CorruptCheckpointError`` if not)."""
         view = memoryview(data).cast("B")
+        start = self.size
         self._hash.update(view)
-        while view:
-            n = os.write(self._fd, view)
-            view = view[n:]
+        rest = view
+        while rest:
+            n = os.write(self._fd, rest)
+            rest = rest[n:]
             self.size += n
+        if compare and not self._reads_back(view, start):
+            raise self._differs(f"bytes {start}..{self.size} read back differ from those "
+                                "written", view, start)
         self._write_out()
 
     def copy_range(self, fd: int, offset: int, length: int, buf: bytearray,
@@ -275,23 +281,31 @@ class DistcpFile:
             if n <= 0 or os.preadv(src, [view[:n]], offset + at) != n:
                 raise CorruptCheckpointError(f"{where} ended while reading it (changed "
                                              "meanwhile?)", path=where, hint="Nothing was written")
-            if compare:
-                self._compare(view[:n], where, offset)
+            if compare and not self._reads_back(view[:n], self.size):
+                raise self._differs(f"the copy of {where} (bytes {offset}..{offset + n}) "
+                                    "differs from it", view[:n], self.size)
             self._hash.update(view[:n])
             self.size += n
             offset += n
             yield view[:n]
             self._write_out()
 
-    def _compare(self, source: memoryview, where: str, offset: int) -> None:
-        """The bytes just copied to the end of this file must equal ``source`` (a memcmp)."""
+    def _reads_back(self, expected: memoryview, at: int) -> bool:
+        """Do this file's bytes at ``at`` equal ``expected``? (Read back ``COPY_STEP`` at a
+        time, compared with a memcmp.)"""
         check = self._check = self._check or bytearray(COPY_STEP)
-        n = len(source)
-        got = os.preadv(self._fd, [memoryview(check)[:n]], self.size)
-        if got != n or (check if n == len(check) else check[:n]) != source:
-            raise unverified(self.path, f"the copy of {where} (bytes {offset}..{offset + n}) "
-                                        f"differs from it: CRC-32 mismatch (source "
-                                        f"{crc32(source):08x}, copy {crc32(check[:got]):08x})")
+        for i in range(0, len(expected), COPY_STEP):
+            part = expected[i:i + COPY_STEP]
+            n = len(part)
+            if (os.preadv(self._fd, [memoryview(check)[:n]], at + i) != n
+                    or (check if n == len(check) else check[:n]) != part):
+                return False
+        return True
+
+    def _differs(self, what: str, expected: memoryview, at: int) -> CorruptCheckpointError:
+        got = os.pread(self._fd, len(expected), at)
+        return unverified(self.path, f"{what}: CRC-32 mismatch (source {crc32(expected):08x}, "
+                                     f"copy {crc32(got):08x})")
 
     def _write_out(self) -> None:
         """Every ``BLOCK`` appended, have the disk start writing it (the final fsync waits less)."""

@@ -12,8 +12,9 @@ copied in the kernel (``os.copy_file_range``) 512 KiB at a time, the source's by
 for the record's CRC-32 and, when verifying, the copy's compared with them while both are in
 the CPU's cache (safetensors store no checksum to check a copy against); or, when cast
 (``--dtype float32``, the default: FSDP2 master weights; bf16 -> fp32 is exact), read and
-cast with numpy in 2 MiB blocks. Verification reads each record back right after it is
-written (its data too, unless compared as copied), and, while the files are fsynced, checks
+cast with numpy in 256 KiB blocks, each written and, when verifying, read back and compared at
+once. Verification reads each record back right after it is written (its structure; its
+data was compared as it was written), and, while the files are fsynced, checks
 that the written index points every chunk at a record whose CRC-32s add up to the CRC-32 of
 the (cast) source rows. A
 tied model whose files store no ``lm_head.weight`` gets it from the input embedding, as
@@ -61,7 +62,7 @@ from ckptool.storage import Storage, atomic_path
 DTYPE_CHOICES = ("float32", "keep")
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(?:@[\w./-]+)?")
 _FADVISE = hasattr(os, "posix_fadvise")
-_CAST_BLOCK = 2 << 20
+_CAST_BLOCK = 256 << 10
 
 
 @dataclass(frozen=True)
@@ -309,8 +310,8 @@ class _Copier:
             os.close(fd)
 
     def write_item(self, f: DistcpFile, item: tuple[_Out, Chunk], buf: bytearray) -> bool:
-        """Append one chunk's record; True when its data was compared with the source's as it
-        was copied (the read-back then skips the data)."""
+        """Append one chunk's record; True when its data was compared as it was written with
+        the source's bytes or their cast (the read-back then skips the data)."""
         o, chunk = item
         t = o.src
         row = t.nbytes // t.shape[0] if t.shape else t.nbytes
@@ -320,14 +321,15 @@ class _Copier:
         if t.dtype == o.dtype:
             piece: FileRange | Iterable[Any] = FileRange(self.fds[t.path], start, length, t.path,
                                                          compare=self.compare)
-        else:  # a cast allocates a few times its output: cast 2 MiB at a time
+        else:  # a cast allocates a few times its output: cast 256 KiB at a time
             piece = (cast_bytes(data, t.dtype, o.dtype) for data in
                      _read(self.fds[t.path], start, length, memoryview(buf)[:_CAST_BLOCK], t.path))
         ratio = (t.dtype.itemsize, o.dtype.itemsize)
         [(crc, _)] = write_tensor(f, o.dtype, chunk.sizes, [piece],
-                                  lambda n: self.ticker.add(n * ratio[0] // ratio[1]), buf)
+                                  lambda n: self.ticker.add(n * ratio[0] // ratio[1]), buf,
+                                  compare=self.compare)
         self.crcs[(o.fqn, lo)] = crc
-        return isinstance(piece, FileRange) and self.compare
+        return self.compare
 
 
 def _read(fd: int, start: int, length: int, buf: memoryview, where: str):

@@ -98,10 +98,51 @@ def test_reshard_of_dcp_safetensors_storage_compares_each_copy(tmp_path, monkeyp
 def test_reshard_unverified_does_not_compare(tmp_path, monkeypatch):
     _hf_storage_checkpoint(tmp_path / "src")
     compared = []
-    original = DistcpFile._compare
-    monkeypatch.setattr(DistcpFile, "_compare",
+    original = DistcpFile._reads_back
+    monkeypatch.setattr(DistcpFile, "_reads_back",
                         lambda self, *a: (compared.append(1), original(self, *a))[1])
     reshard(tmp_path / "src", tmp_path / "u", world_size=2, verify=False)
     assert not compared
     reshard(tmp_path / "src", tmp_path / "v", world_size=2)
     assert compared
+
+
+def _write_flipping_big_buffers(monkeypatch) -> list[int]:
+    """``os.write`` of a buffer over 4 KiB (tensor data) writes one byte flipped."""
+    from ckptool.format import dcp_writer
+
+    original, calls = os.write, []
+
+    def flipping(fd, data):
+        if len(data) > 4096:
+            data = bytearray(data)
+            data[len(data) // 2] ^= 0x01
+            calls.append(len(data))
+        return original(fd, data)
+
+    monkeypatch.setattr(dcp_writer.os, "write", flipping)
+    return calls
+
+
+def _bf16_safetensors(path) -> torch.Tensor:
+    from safetensors.torch import save_file
+
+    w = torch.randn(64, 48, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    save_file({"w": w}, str(path))
+    return w
+
+
+def test_import_cast_compares_each_block_as_written(tmp_path, monkeypatch):
+    from ckptool.ops.import_hf import import_hf
+
+    w = _bf16_safetensors(tmp_path / "model.safetensors")
+    calls = _write_flipping_big_buffers(monkeypatch)
+    with pytest.raises(CorruptCheckpointError,
+                       match=r"verification failed.*bytes \d+\.\.\d+ read back differ from "
+                             r"those written: CRC-32 mismatch"):
+        import_hf(tmp_path / "model.safetensors", tmp_path / "out", world_size=2)
+    assert calls and not (tmp_path / "out").exists()
+    monkeypatch.undo()
+    assert import_hf(tmp_path / "model.safetensors", tmp_path / "out", world_size=2).verified
+    got = load_tensors(tmp_path / "out")
+    assert got["model.w"].dtype == torch.float32 and torch.equal(got["model.w"], w.float())
