@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import sys
 from pathlib import Path
 
@@ -131,10 +132,15 @@ def peer_route(src: str, dst: str, m: int) -> None:
 # Measuring
 
 
+#: ``cp -r`` of a float32 import's output: the bytes the cast import writes, copied.
+CP32 = "cp -r (float32 output)"
+
+
 def tools(src: Path, work: Path, m: int, peer_ranks: int) -> dict[str, tuple[list[str], Path]]:
     py = sys.executable
     return {
         "cp -r": (["cp", "-r", str(src), str(work / "cp")], work / "cp"),
+        CP32: (["cp", "-r", str(work / "fp32-ref"), str(work / "cp32")], work / "cp32"),
         f"ckptool import --ranks {m}": (["ckptool", "import", str(src), str(work / "i"),
                                          "--ranks", str(m)], work / "i"),
         f"ckptool import --ranks {m} --dtype keep": (
@@ -147,6 +153,17 @@ def tools(src: Path, work: Path, m: int, peer_ranks: int) -> dict[str, tuple[lis
             [py, __file__, "--peer-route", str(src), str(work / "p"), "--to", str(peer_ranks)],
             work / "p"),
     }
+
+
+def float32_reference(src: Path, out: Path, m: int) -> None:
+    """The float32 import of ``src`` for ``m`` ranks, made once (``cp -r``'d by ``CP32``)."""
+    if not (out / ".metadata").exists():
+        import subprocess
+
+        if out.exists():
+            shutil.rmtree(out)
+        subprocess.run(["ckptool", "import", str(src), str(out), "--ranks", str(m)], check=True,
+                       stdout=subprocess.DEVNULL)
 
 
 def describe(src: Path) -> dict[str, object]:
@@ -170,11 +187,14 @@ def render(results: Results, info: dict) -> str:
              f"{info['runs']} runs per tool and page-cache mode (the peers' way: "
              f"{info['peer_runs']}), interleaved across tools and modes; min / **median** / max. "
              "1-minute load average before the runs (other jobs on the machine): "
-             f"{loads_text(results)}. A cast to float32 writes more bytes than it reads; its ratio is "
-             "still against copying the source's bytes.\n"]
+             f"{loads_text(results)}. A cast to float32 writes more bytes than it reads: its "
+             f"target is against `{CP32}`, a copy of the float32 output of one import made "
+             "before the runs (the same bytes written), and its ratio to `cp -r` of the source "
+             "is given for information.\n"]
     lines += mode_sections(results, dropped=info["dropped"], largest=info["largest"],
                            versus=("from_pretrained", f"ckptool import --ranks {info['to']}",
-                                   "the peers' way vs `ckptool import`"))
+                                   "the peers' way vs `ckptool import`"),
+                           baselines=info["baselines"])
     lines += [f"Commands: `{info['gen']}` then `{info['bench']}`.", ""]
     return "\n".join(lines)
 
@@ -203,12 +223,17 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     peer_ranks = args.peer_ranks or args.to
     selected = select(tools(args.source, args.work, args.to, peer_ranks), args.only)
+    cast = f"ckptool import --ranks {args.to}"
+    if CP32 in selected:
+        float32_reference(args.source, args.work / "fp32-ref", args.to)
     peer_runs = min(args.peer_runs or args.runs, args.runs)
     results, dropped = measure(
         selected, args.source, runs=args.runs, modes=modes_of(args.cache),
-        skip=lambda name, i: name.startswith("from_pretrained") and i >= peer_runs)
+        skip=lambda name, i: name.startswith("from_pretrained") and i >= peer_runs,
+        sources={CP32: args.work / "fp32-ref"})
     section = args.section or SECTION
     info = {**describe(args.source), "to": args.to, "runs": args.runs, "peer_runs": peer_runs,
+            "baselines": {cast: CP32, f"{cast} --no-verify": CP32},  # the casts
             "dropped": dropped,
             "machine": f"{os.cpu_count()} CPUs, {mem_gib():.0f} GiB RAM, Linux "
                        f"{platform.release()}, Python {platform.python_version()}"}
