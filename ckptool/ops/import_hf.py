@@ -22,7 +22,8 @@ tied model whose files store no ``lm_head.weight`` gets it from the input embedd
 ``hf_assets/`` and listed in ``ckptool.json`` (``config["hf_config"]``,
 ``config["hf_assets"]``) for a later export.
 
-Peak memory: one 8 MiB read buffer and its cast per worker; it does not grow with the model.
+Peak memory: one 8 MiB buffer per worker (a cast holds one 256 KiB block and its cast at a
+time); it does not grow with the model.
 Output goes to a temporary folder renamed at the end: ``.distcp`` files (fsynced, records
 checked as written), then, while the last of them are fsynced, assets, ``.metadata`` and the
 verification; ``ckptool.json`` last.
