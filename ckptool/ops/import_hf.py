@@ -172,16 +172,16 @@ def _write_output(tmp: Path, source: HFSource, plan: list[_Out],
     (size, xxh3-64)."""
     ticker = Ticker(progress, sum(o.src.nbytes for o in plan))
     files: dict[str, tuple[int, str]] = {}
-
-    def finish(written: list[WrittenFile[tuple[_Out, Chunk]]]) -> None:  # while files are fsynced
-        files.update({w.name: (w.size, w.digest) for w in written})
-        files.update(copy_assets(source, tmp))
-        write_metadata(tmp, _metadata(plan, written), checkpoint_id=str(out))
-        if verify:
-            _verify(tmp, plan, copier.crcs, written)
-        files[METADATA] = mf.file_checksum(Storage.open(tmp), METADATA)
-
     with _Copier(ticker, {o.src.path for o in plan}, compare=verify) as copier:
+
+        def finish(written: list[WrittenFile[tuple[_Out, Chunk]]]) -> None:  # while fsyncing
+            files.update({w.name: (w.size, w.digest) for w in written})
+            files.update(copy_assets(source, tmp))
+            write_metadata(tmp, _metadata(plan, written), checkpoint_id=str(out))
+            if verify:
+                _verify(tmp, plan, copier.crcs, written)
+            files[METADATA] = mf.file_checksum(Storage.open(tmp), METADATA)
+
         write_rank_files(tmp, ranks, copier.write_item, ticker=ticker, workers=local_workers(),
                          check=_expected if verify else None, meanwhile=finish)
     return files
