@@ -36,7 +36,7 @@ from ckptool.format.tensor_pickle import tensor_pickle
 from ckptool.format.crc import crc32
 from ckptool.format.metadata import METADATA, CheckpointMetadata, StorageRef
 from ckptool.storage import BLOCK
-from ckptool.storage.local import start_writeback
+from ckptool.storage.writeback import start_writeback
 
 _FADVISE = hasattr(os, "posix_fadvise")
 #: ``DistcpFile.copy_range`` asks the kernel to read this far ahead of the copy.
@@ -309,9 +309,9 @@ class DistcpFile:
 
     def _write_out(self) -> None:
         """Every ``BLOCK`` appended, have the disk start writing it (the final fsync waits less)."""
-        if self.size - self._written_out >= BLOCK:
-            start_writeback(self._fd, self._written_out, self.size - self._written_out)
-            self._written_out = self.size
+        if (self.size - self._written_out >= BLOCK
+                and start_writeback(self._fd, self._written_out, self.size - self._written_out)):
+            self._written_out = self.size  # (declined: asked again with the range grown)
 
     def _copy(self, fd: int, offset: int, want: int, view: memoryview) -> int:
         """Copy up to ``want`` bytes in the kernel; through ``view`` where it cannot (e.g.

@@ -28,7 +28,7 @@ from ckptool.format.dtype_cast import CASTABLE, cast_bytes
 from ckptool.format.dtypes import DType
 from ckptool.format.staged_output import StagedOutput
 from ckptool.storage import BLOCK
-from ckptool.storage.local import start_writeback
+from ckptool.storage.writeback import start_writeback
 
 __all__ = ["CASTABLE", "INDEX_NAME", "MAX_HEADER", "SINGLE_NAME", "FileLayout", "OutputFile",
            "StagedOutput", "TensorSpec", "cast_bytes", "index_json", "plan_file", "shard_filenames",
@@ -215,7 +215,7 @@ class OutputFile:
 
     def _writeback(self, offset: int, length: int) -> None:
         if self._fsync:  # (an output that is not fsynced need not be written out early)
-            start_writeback(self.fd, offset, length)
+            start_writeback(self.fd, offset, length)  # (declined: left to the fsync)
 
     def verify(self) -> None:
         """Re-read every tracked write from disk and compare its xxh3-64 (file must be closed).

@@ -16,23 +16,6 @@ from ckptool.storage.base import Entry
 _MAX_READ = 1 << 30
 
 
-#: ``start_writeback`` leaves shorter ranges to the kernel.
-WRITEBACK_MIN = 1 << 20
-
-
-def start_writeback(fd: int, offset: int, length: int) -> None:
-    """Start writing these just-written bytes of ``fd`` to disk now, without waiting.
-
-    ``POSIX_FADV_DONTNEED`` on dirty pages makes Linux start their writeback (``WB_SYNC_NONE``)
-    and drop only pages already clean, so the disk writes while the caller reads and copies
-    on, and the ``fsync`` at the end has the last blocks left, not the whole file. Left alone,
-    the kernel starts writing at 10% of RAM dirty: not at all for a 2 GB output here.
-    Durability is still the ``fsync``'s. Ranges under ``WRITEBACK_MIN`` are left alone.
-    """
-    if length >= WRITEBACK_MIN and hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)  # type: ignore[attr-defined]
-
-
 class LocalFile:
     """An open local file: ``os.pread`` at any offset, from any thread (no shared position)."""
 
