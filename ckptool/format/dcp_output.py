@@ -30,7 +30,7 @@ from ckptool.format.crc import crc32, crc32_combine
 from ckptool.format.dcp_writer import DistcpFile, TensorRecord
 from ckptool.format.dtypes import DType
 from ckptool.format.metadata import METADATA, StorageRef, TensorEntry
-from ckptool.format.torch_records import RecordReader
+from ckptool.format.torch_records import RecordReader, RecordTemplate
 from ckptool.storage import BLOCK, RangeReader, Storage
 
 Item = TypeVar("Item")
@@ -141,6 +141,7 @@ def write_rank_files(folder: Path, ranks: list[list[Item]], write_item: ItemWrit
 def _write_file(path: Path, items: list[Item], write_item: ItemWriter,
                 check: Callable[[Item], Expected] | None) -> WrittenFile[Item]:
     placed, checked = [], {}
+    templates: dict[tuple[Expected, int], RecordTemplate] = {}
     buf = bytearray(BLOCK)
     with DistcpFile(path) as f, ExitStack() as stack:
         back = stack.enter_context(Storage.open(path.parent).reader(f.name)) if check else None
@@ -150,7 +151,7 @@ def _write_file(path: Path, items: list[Item], write_item: ItemWriter,
             ref = StorageRef(f.name, start, f.size - start)
             if back is not None:
                 found = check_record(back, ref, check(item), buf,  # type: ignore[misc]
-                                     data=not proven)
+                                     data=not proven, templates=templates)
                 if found is not None:
                     checked[(ref.offset, ref.length)] = found
             placed.append((item, ref))
@@ -159,7 +160,9 @@ def _write_file(path: Path, items: list[Item], write_item: ItemWriter,
 
 
 def check_record(reader: RangeReader, ref: StorageRef, expected: Expected,
-                 buf: bytearray, *, data: bool = True) -> Checked | None:
+                 buf: bytearray, *, data: bool = True,
+                 templates: dict[tuple[Expected, int], RecordTemplate] | None = None
+                 ) -> Checked | None:
     """Read one record back: it parses, holds ``expected`` and every entry's CRC-32 matches.
 
     Args:
@@ -169,6 +172,11 @@ def check_record(reader: RangeReader, ref: StorageRef, expected: Expected,
         buf: a reused block buffer (the data is read into it, nothing else is allocated).
         data: check the CRC-32 of a tensor's data entry too (False: the writer computed it
             from these bytes and proved it already).
+        templates: records already checked in full, by (``expected``, length). With
+            ``data`` False, a record of the same key is read outside its data only and must
+            equal that one's bytes but for the data's and the serialization id's CRC-32
+            fields, which must agree (``RecordTemplate``, the shortcut ``validate --deep``
+            takes); anything else is parsed in full, and then becomes the template of its key.
 
     Returns:
         For a tensor record whose data entry is exactly the tensor's bytes, what it holds
@@ -178,8 +186,14 @@ def check_record(reader: RangeReader, ref: StorageRef, expected: Expected,
         CorruptCheckpointError: "verification failed, nothing was committed: ..." naming the
             file and the problem.
     """
+    key = (expected, ref.length)
+    tpl = templates.get(key) if templates is not None and not data else None
+    if tpl is not None:
+        outside = _outside(reader, ref, tpl.data_start, tpl.loc.nbytes)
+        if outside is not None and tpl.matches(outside) and tpl.crc_ok(outside):
+            return tpl.data_crc(outside), tpl.loc.nbytes, tpl.loc.shape
     where = f"{reader.storage.url_of(ref.relative_path)} (record at byte {ref.offset})"
-    problem, found = None, None
+    problem, found, rec, loc = None, None, None, None
     try:
         rec = RecordReader(reader, ref, where, preload=_PRELOAD)
         skip = None
@@ -205,7 +219,21 @@ def check_record(reader: RangeReader, ref: StorageRef, expected: Expected,
         problem = str(e)
     if problem is not None:
         raise unverified(where, problem)
+    if (found is not None and rec is not None and loc is not None and templates is not None
+            and not data and key not in templates):
+        outside = _outside(reader, ref, loc.data_offset - ref.offset, loc.nbytes)
+        if outside is not None:
+            templates[key] = RecordTemplate(rec, loc, outside, data_left_out=True)
     return found
+
+
+def _outside(reader: RangeReader, ref: StorageRef, start: int, size: int) -> bytes | None:
+    """A record's bytes before and after its ``size`` data bytes at ``start`` (relative)."""
+    if start < 0 or start + size > ref.length:
+        return None
+    head = reader.pread(ref.offset, start)
+    tail = reader.pread(ref.offset + start + size, ref.length - start - size)
+    return head + tail if len(head) + len(tail) == ref.length - size else None
 
 
 def read_back_crc(t: TensorEntry, written: dict[str, WrittenFile[Any]]

@@ -136,19 +136,36 @@ class RecordTemplate:
     whose every other byte equals the template's has the same verified structure and the
     same ``data.pkl`` (so the same dtype, shape and strides); only the two varying entries'
     CRC-32s are left to check. Anything that differs falls back to the full parse.
+
+    With ``data_left_out``, the template and the records it checks are the record's bytes
+    without the tensor's data (those before it, then those after: ``outside``), for a writer
+    that proved the data by other means; the data's two stored CRC-32s must then agree, and
+    ``data_crc`` gives them.
     """
 
-    def __init__(self, rec: RecordReader, loc: TensorLocation, buf: bytes) -> None:
+    def __init__(self, rec: RecordReader, loc: TensorLocation, buf: bytes, *,
+                 data_left_out: bool = False) -> None:
+        self.data_start = loc.data_offset - rec.ref.offset
+        cut = loc.entry.size if data_left_out else 0
+
+        def at(pos: int) -> int:  # where a record byte sits in ``buf``
+            return pos - cut if pos >= self.data_start + cut else pos
+
         varying = [e for e in rec.entries.values()
                    if e.name.endswith((f"/data/{loc.entry.name.rsplit('/', 1)[-1]}",
                                        ".data/serialization_id")) and e.shared[2] & 0x08]
-        masks = []  # (start, end) relative byte ranges allowed to differ
-        self.crcs = []  # (data start, data end, descriptor crc pos, directory crc pos)
+        masks = []  # (start, end) byte ranges of ``buf`` allowed to differ
+        self.crcs = []  # (data start, data end or None, descriptor crc pos, directory crc pos)
         for e in varying:
             start = rec.data_offset(e) - rec.ref.offset
-            masks += [(start, start + e.size), (start + e.size + 4, start + e.size + 8),
-                      (e.cd_pos + 16, e.cd_pos + 20)]
-            self.crcs.append((start, start + e.size, start + e.size + 4, e.cd_pos + 16))
+            desc, cd = at(start + e.size + 4), at(e.cd_pos + 16)
+            masks += [(desc, desc + 4), (cd, cd + 4)]
+            if data_left_out and e.name == loc.entry.name:
+                self.crcs.append((None, None, desc, cd))
+                self._data_crc = desc
+            else:
+                masks.append((at(start), at(start + e.size)))
+                self.crcs.append((at(start), at(start + e.size), desc, cd))
         self.segments, pos = [], 0
         for a, b in sorted(masks):
             self.segments.append((pos, a))
@@ -165,9 +182,15 @@ class RecordTemplate:
         view = memoryview(buf)
         for start, end, desc, cd in self.crcs:
             stored = struct.unpack_from("<I", buf, desc)[0]
-            if stored != struct.unpack_from("<I", buf, cd)[0] or crc32(view[start:end]) != stored:
+            if stored != struct.unpack_from("<I", buf, cd)[0]:
+                return False
+            if start is not None and crc32(view[start:end]) != stored:
                 return False
         return True
+
+    def data_crc(self, outside: bytes) -> int:
+        """The data's stored CRC-32 in a matching record's ``outside`` (``data_left_out``)."""
+        return struct.unpack_from("<I", outside, self._data_crc)[0]
 
 
 def tensor_from_head(head: bytes, base: int) -> TensorLocation | None:
