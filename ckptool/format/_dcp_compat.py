@@ -2,14 +2,14 @@
 
 ckptool writes DCP's ``.metadata`` without importing torch (importing it costs seconds and
 ~265 MB, more than reshard's whole memory budget). The file is a pickle of
-``torch.distributed.checkpoint.metadata.Metadata``; this module reproduces what ``pickle.dump``
-of the real objects emits: the same class names (including the private
-``torch.distributed.checkpoint.filesystem._StorageInfo`` and ``_MEM_FORMAT_ENCODING``), the
-same pickled state of each class (``TensorProperties`` pickles a 5-tuple, ``_StorageInfo``
-drops ``None`` fields, ``MetadataIndex`` of a non-tensor has no ``offset``), ``torch.Size`` as
-``Size(tuple)``, dtypes as ``torch.<name>`` globals.
+``torch.distributed.checkpoint.metadata.Metadata``; this module writes its opcodes directly
+(``_Pickle``), so that it loads as what ``pickle.dump`` of the real objects gives: the same
+class names (including the private ``torch.distributed.checkpoint.filesystem._StorageInfo``
+and ``_MEM_FORMAT_ENCODING``), the same pickled state of each class (``TensorProperties``
+pickles a 5-tuple, ``_StorageInfo`` drops ``None`` fields, ``MetadataIndex`` of a non-tensor
+has no ``offset``), ``torch.Size`` as ``Size(tuple)``, dtypes as ``torch.<name>`` globals.
 
-Globals are emitted by name and never imported; the names are ``pickle_globals.py``'s (the
+Globals are written by name and never imported; the names are ``pickle_globals.py``'s (the
 one place that spells torch's paths, also for reading). ``tests/unit/test_reshard_format.py`` loads
 the result with torch and compares it with the real dataclasses, pinned to ``TESTED_TORCH``.
 Reading ``.metadata`` stays in ``metadata.py`` (allow-listed unpickler).
@@ -17,9 +17,8 @@ Reading ``.metadata`` stays in ``metadata.py`` (allow-listed unpickler).
 
 from __future__ import annotations
 
-import copyreg
-import io
 import pickle
+import struct
 import uuid
 from typing import Any
 
@@ -34,108 +33,156 @@ TESTED_TORCH = ("2.13",)
 DCP_VERSION = "1.0.0"
 
 _MD = DCP_METADATA
+_NEWOBJ_CLASSES = {name: (_MD, name) for name in (
+    "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+    "TensorProperties", "MetadataIndex", "StorageMeta")}
+_NEWOBJ_CLASSES["_StorageInfo"] = STORAGE_INFO
 
 
-class _Global:
-    """A global (class, function, dtype) pickled by its name, never imported."""
+class _Pickle:
+    """Pickle opcodes (protocol 2) written directly, for the one shape ``.metadata`` has.
 
-    def __init__(self, module: str, name: str) -> None:
-        self.module = module
-        self.name = name
+    What ``pickle.dump`` of the real objects does, without their classes: globals are written
+    by name (``GLOBAL``), a DCP class instance as ``NEWOBJ`` of its class then ``BUILD`` with
+    its state (``copyreg.__newobj__``'s reduction), ``torch.Size(dims)`` and the two enum
+    values as ``REDUCE``. Strings and globals are memoized, so each is written once. About
+    10x faster than driving Python's ``pickle._Pickler`` with stand-in objects (0.4 s for an
+    index of 1,608 chunks), and loads as the same objects.
+    """
 
-    def __call__(self, *args: Any) -> Any:  # pickle requires REDUCE targets to be callable
-        raise TypeError(f"{self.module}.{self.name} is a name only")
+    def __init__(self) -> None:
+        self.out = bytearray(pickle.PROTO + b"\x02")
+        self._memo: dict[tuple[str, str], int] = {}
 
+    def _recall(self, key: tuple[str, str]) -> bool:
+        i = self._memo.get(key)
+        if i is None:
+            self._memo[key] = i = len(self._memo)
+            self.out += pickle.BINPUT + bytes((i,)) if i < 256 else pickle.LONG_BINPUT + _U32(i)
+            return False
+        self.out += pickle.BINGET + bytes((i,)) if i < 256 else pickle.LONG_BINGET + _U32(i)
+        return True
 
-class _Reduce:
-    """An object whose pickle is ``func(*args)`` (torch.Size, layouts, enums)."""
+    def text(self, s: str) -> None:
+        i = self._memo.get(("s", s))
+        if i is None:
+            data = s.encode("utf-8", "surrogatepass")
+            self.out += pickle.BINUNICODE + _U32(len(data)) + data
+        self._recall(("s", s))
 
-    def __init__(self, func: _Global, args: tuple[Any, ...]) -> None:
-        self.func = func
-        self.args = args
+    def global_(self, module: str, name: str) -> None:
+        if self._memo.get((module, name)) is None:
+            self.out += pickle.GLOBAL + f"{module}\n{name}\n".encode()
+        self._recall((module, name))
 
-    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
-        return self.func, self.args
-
-
-class _Instance:
-    """An instance of a DCP class: NEWOBJ of the class, then BUILD with its pickled state."""
-
-    def __init__(self, state: Any) -> None:
-        self.state = state
-
-    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
-        return copyreg.__newobj__, (type(self),), self.state
-
-
-def _stand_in(module: str, name: str) -> type[_Instance]:
-    cls = type(name, (_Instance,), {})
-    _NAMES[cls] = (module, name)
-    return cls
-
-
-_NAMES: dict[type, tuple[str, str]] = {}
-_Metadata = _stand_in(_MD, "Metadata")
-_TensorStorageMetadata = _stand_in(_MD, "TensorStorageMetadata")
-_BytesStorageMetadata = _stand_in(_MD, "BytesStorageMetadata")
-_ChunkStorageMetadata = _stand_in(_MD, "ChunkStorageMetadata")
-_TensorProperties = _stand_in(_MD, "TensorProperties")
-_MetadataIndex = _stand_in(_MD, "MetadataIndex")
-_StorageMeta = _stand_in(_MD, "StorageMeta")
-_StorageInfo = _stand_in(*STORAGE_INFO)
-_SIZE = _Global(*TORCH_SIZE)
-
-
-class _NamePickler(pickle._Pickler):  # the Python pickler: its save_global can be overridden
-    dispatch = dict(pickle._Pickler.dispatch)
-
-    def save_global(self, obj: Any, name: str | None = None) -> None:
-        if isinstance(obj, _Global):
-            module, qualname = obj.module, obj.name
-        elif obj in _NAMES:
-            module, qualname = _NAMES[obj]
+    def integer(self, v: int) -> None:
+        if 0 <= v < 256:
+            self.out += pickle.BININT1 + bytes((v,))
+        elif 0 <= v < 65536:
+            self.out += pickle.BININT2 + struct.pack("<H", v)
+        elif -0x80000000 <= v < 0x80000000:
+            self.out += pickle.BININT + struct.pack("<i", v)
         else:
-            raise pickle.PicklingError(f"{obj!r} is not plain checkpoint data")
-        if self.proto >= 4:
-            self.save(module)
-            self.save(qualname)
-            self.write(pickle.STACK_GLOBAL)
+            data = pickle.encode_long(v)
+            self.out += pickle.LONG1 + bytes((len(data),)) + data if len(data) < 256 else \
+                pickle.LONG4 + struct.pack("<i", len(data)) + data
+
+    def ints(self, dims: tuple[int, ...]) -> None:
+        """A tuple of ints."""
+        if len(dims) > 3:
+            self.out += pickle.MARK
+        for v in dims:
+            self.integer(v)
+        self.out += _TUPLES[len(dims)] if len(dims) <= 3 else pickle.TUPLE
+
+    def size(self, dims: tuple[int, ...]) -> None:
+        """``torch.Size(dims)``."""
+        self.global_(*TORCH_SIZE)
+        self.ints(dims)
+        self.out += pickle.TUPLE1 + pickle.REDUCE
+
+    def reduce(self, func: tuple[str, str], arg: Any) -> None:
+        self.global_(*func)
+        self.plain(arg, "")
+        self.out += pickle.TUPLE1 + pickle.REDUCE
+
+    def new(self, cls: str) -> None:
+        """An instance of DCP class ``cls`` (``BUILD`` its state after it, if it has one)."""
+        self.global_(*_NEWOBJ_CLASSES[cls])
+        self.out += pickle.EMPTY_TUPLE + pickle.NEWOBJ
+
+    def begin(self, container: bytes = pickle.EMPTY_DICT) -> None:
+        self.out += container + pickle.MARK
+
+    def end(self, op: bytes = pickle.SETITEMS) -> None:
+        self.out += op
+
+    def build(self) -> None:
+        self.out += pickle.BUILD
+
+    def plain(self, value: Any, fqn: str) -> None:
+        """Plain data (planner data, strings): what pickle writes of it."""
+        t = type(value)
+        if value is None:
+            self.out += pickle.NONE
+        elif t is bool:
+            self.out += pickle.NEWTRUE if value else pickle.NEWFALSE
+        elif t is int:
+            self.integer(value)
+        elif t is float:
+            self.out += pickle.BINFLOAT + struct.pack(">d", value)
+        elif t is str:
+            self.text(value)
+        elif t is tuple:
+            if len(value) > 3:
+                self.out += pickle.MARK
+            for v in value:
+                self.plain(v, fqn)
+            self.out += _TUPLES[len(value)] if len(value) <= 3 else pickle.TUPLE
+        elif t is list:
+            self.out += pickle.EMPTY_LIST + pickle.MARK
+            for v in value:
+                self.plain(v, fqn)
+            self.out += pickle.APPENDS
+        elif t is dict:
+            self.out += pickle.EMPTY_DICT + pickle.MARK
+            for k, v in value.items():
+                self.plain(k, fqn)
+                self.plain(v, fqn)
+            self.out += pickle.SETITEMS
         else:
-            self.write(pickle.GLOBAL + f"{module}\n{qualname}\n".encode())
-        self.memoize(obj)
-
-    dispatch[_Global] = save_global
-
-
-def _size(dims: tuple[int, ...]) -> _Reduce:
-    return _Reduce(_SIZE, (tuple(dims),))
+            raise IncompatibleCheckpointError(
+                f"planner data of {fqn} holds a {t.__name__}, not plain data",
+                hint="Reshard by loading with DCP on the new world size instead")
 
 
-def _storage_info(ref: StorageRef | None, fqn: str) -> _Instance:
+_TUPLES = (pickle.EMPTY_TUPLE, pickle.TUPLE1, pickle.TUPLE2, pickle.TUPLE3)
+
+
+def _U32(n: int) -> bytes:
+    return struct.pack("<I", n)
+
+
+def _storage_info(p: _Pickle, ref: StorageRef | None, fqn: str) -> None:
     if ref is None:
         raise IncompatibleCheckpointError(f"{fqn} has no storage entry; cannot index it")
-    state: dict[str, Any] = {"relative_path": ref.relative_path, "offset": ref.offset,
-                             "length": ref.length}
+    p.new("_StorageInfo")
+    p.begin()
+    p.text("relative_path")
+    p.text(ref.relative_path)
+    p.text("offset")
+    p.integer(ref.offset)
+    p.text("length")
+    p.integer(ref.length)
     if ref.transforms:
-        state["transform_descriptors"] = list(ref.transforms)
-    return _StorageInfo(state)
-
-
-def _plain(value: Any, fqn: str) -> Any:
-    """planner_data values must be plain data (DCP's default planner stores key paths)."""
-    if value is None or type(value) in (str, int, float, bool):
-        return value
-    if type(value) in (tuple, list):
-        return type(value)(_plain(v, fqn) for v in value)
-    if type(value) is dict:
-        return {_plain(k, fqn): _plain(v, fqn) for k, v in value.items()}
-    raise IncompatibleCheckpointError(
-        f"planner data of {fqn} holds a {type(value).__name__}, not plain data",
-        hint="Reshard by loading with DCP on the new world size instead")
+        p.text("transform_descriptors")
+        p.plain(list(ref.transforms), fqn)
+    p.end()
+    p.build()
 
 
 def encode_metadata(meta: CheckpointMetadata, *, checkpoint_id: str | None = None) -> bytes:
-    """The ``.metadata`` bytes that ``pickle.dump`` of the equivalent DCP ``Metadata`` gives.
+    """The ``.metadata`` bytes: a pickle that loads as the equivalent DCP ``Metadata``.
 
     Args:
         meta: tensors (every chunk with its ``StorageRef``), objects, planner data, save id.
@@ -150,31 +197,91 @@ def encode_metadata(meta: CheckpointMetadata, *, checkpoint_id: str | None = Non
     Example:
         >>> open("out/.metadata", "wb").write(encode_metadata(meta, checkpoint_id="out"))
     """
-    layout = _Reduce(_Global(*GET_LAYOUT), (STRIDED,))
-    contiguous = _Reduce(_Global(*MEM_FORMAT_ENCODING), (0,))
-    dtypes: dict[str, _Global] = {}
-    sdm: dict[str, _Instance] = {}
-    storage: dict[_Instance, _Instance] = {}
+    p = _Pickle()
+    p.new("Metadata")
+    p.begin()
+    p.text("state_dict_metadata")
+    _state_dict_metadata(p, meta)
+    p.text("planner_data")
+    p.begin()
+    for k, v in meta.planner_data.items():
+        p.plain(k, k)
+        p.plain(v, k)
+    p.end()
+    p.text("storage_data")
+    _storage_data(p, meta)
+    p.text("storage_meta")
+    p.new("StorageMeta")
+    p.plain({"checkpoint_id": checkpoint_id, "save_id": meta.save_id or str(uuid.uuid4()),
+             "load_id": None, "modules": []}, "storage_meta")
+    p.build()
+    p.text("version")
+    p.text(meta.version or DCP_VERSION)
+    p.end()
+    p.build()
+    return bytes(p.out + pickle.STOP)
+
+
+def _state_dict_metadata(p: _Pickle, meta: CheckpointMetadata) -> None:
+    p.begin()
     for fqn, t in meta.tensors.items():
-        dtype = dtypes.setdefault(t.dtype.name, _Global("torch", t.dtype.name))
-        props = _TensorProperties((dtype, layout, False, contiguous, False))
-        chunks = [_ChunkStorageMetadata({"offsets": _size(c.offsets), "sizes": _size(c.sizes)})
-                  for c in t.chunks]
-        sdm[fqn] = _TensorStorageMetadata({"properties": props, "size": _size(t.shape),
-                                           "chunks": chunks})
+        p.text(fqn)
+        p.new("TensorStorageMetadata")
+        p.begin()
+        p.text("properties")
+        p.new("TensorProperties")  # state: (dtype, layout, requires_grad, memory_format, pinned)
+        p.out += pickle.MARK
+        p.global_("torch", t.dtype.name)
+        p.reduce(GET_LAYOUT, STRIDED)
+        p.plain(False, fqn)
+        p.reduce(MEM_FORMAT_ENCODING, 0)
+        p.plain(False, fqn)
+        p.end(pickle.TUPLE)
+        p.build()
+        p.text("size")
+        p.size(t.shape)
+        p.text("chunks")
+        p.begin(pickle.EMPTY_LIST)
+        for c in t.chunks:
+            p.new("ChunkStorageMetadata")
+            p.begin()
+            p.text("offsets")
+            p.size(c.offsets)
+            p.text("sizes")
+            p.size(c.sizes)
+            p.end()
+            p.build()
+        p.end(pickle.APPENDS)
+        p.end()
+        p.build()
+    for fqn in meta.objects:
+        p.text(fqn)
+        p.new("BytesStorageMetadata")  # no state
+    p.end()
+
+
+def _storage_data(p: _Pickle, meta: CheckpointMetadata) -> None:
+    p.begin()
+    for fqn, t in meta.tensors.items():
         for i, c in enumerate(t.chunks):
-            key = _MetadataIndex({"fqn": fqn, "index": i, "offset": _size(c.offsets)})
-            storage[key] = _storage_info(c.storage, fqn)
+            _index(p, fqn, i, c.offsets)
+            _storage_info(p, c.storage, fqn)
     for fqn, o in meta.objects.items():
-        sdm[fqn] = _BytesStorageMetadata(None)
-        storage[_MetadataIndex({"fqn": fqn, "index": None})] = _storage_info(o.storage, fqn)
-    planner = {k: _plain(v, k) for k, v in meta.planner_data.items()}
-    storage_meta = _StorageMeta({"checkpoint_id": checkpoint_id,
-                                 "save_id": meta.save_id or str(uuid.uuid4()),
-                                 "load_id": None, "modules": []})
-    root = _Metadata({"state_dict_metadata": sdm, "planner_data": planner,
-                      "storage_data": storage, "storage_meta": storage_meta,
-                      "version": meta.version or DCP_VERSION})
-    buf = io.BytesIO()
-    _NamePickler(buf, protocol=pickle.DEFAULT_PROTOCOL).dump(root)
-    return buf.getvalue()
+        _index(p, fqn, None, None)
+        _storage_info(p, o.storage, fqn)
+    p.end()
+
+
+def _index(p: _Pickle, fqn: str, index: int | None, offsets: tuple[int, ...] | None) -> None:
+    """A ``MetadataIndex`` (a non-tensor's has no ``offset`` in its state)."""
+    p.new("MetadataIndex")
+    p.begin()
+    p.text("fqn")
+    p.text(fqn)
+    p.text("index")
+    p.plain(index, fqn)
+    if offsets is not None:
+        p.text("offset")
+        p.size(offsets)
+    p.end()
+    p.build()
