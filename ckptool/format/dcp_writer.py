@@ -345,13 +345,16 @@ class DistcpFile:
 
 
 def write_metadata(folder: str | os.PathLike[str], meta: CheckpointMetadata, *,
-                   checkpoint_id: str | None = None) -> int:
+                   checkpoint_id: str | None = None, sync: bool = True) -> int:
     """Write ``.metadata`` last, atomically (temporary name, fsync, rename), as DCP commits.
 
     Args:
         folder: the local checkpoint folder whose ``.distcp`` files are already written.
         meta: the index (tensors with chunk storage refs, objects, planner data, save id).
         checkpoint_id: recorded in ``storage_meta`` (DCP records the folder it saved to).
+        sync: fsync it before the rename. False for a folder committed as a whole later: the
+            caller fsyncs it before that commit (an fsync waits for the disk's cache flush,
+            so the caller can verify the index meanwhile).
 
     Returns:
         The size of ``.metadata`` in bytes.
@@ -367,6 +370,7 @@ def write_metadata(folder: str | os.PathLike[str], meta: CheckpointMetadata, *,
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
-        os.fsync(f.fileno())
+        if sync:
+            os.fsync(f.fileno())
     os.replace(tmp, os.path.join(os.fspath(folder), METADATA))
     return len(data)

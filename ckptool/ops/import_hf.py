@@ -24,8 +24,8 @@ tied model whose files store no ``lm_head.weight`` gets it from the input embedd
 
 Peak memory: one 8 MiB buffer per worker (a cast holds one 256 KiB block and its cast at a
 time); it does not grow with the model.
-Output goes to a temporary folder renamed at the end: ``.distcp`` files (fsynced, records
-checked as written), then, while the last of them are fsynced, assets, ``.metadata`` and the
+Output goes to a temporary folder renamed at the end: assets, then ``.distcp`` files (fsynced,
+records checked as written), then, while the last of them are fsynced, ``.metadata`` and the
 verification; ``ckptool.json`` last.
 """
 
@@ -56,7 +56,8 @@ from ckptool.format.hf_source import (ASSETS_DIR, HEAD_NAME, KNOWN_EMBEDDINGS, H
                                      ties_embeddings)
 from ckptool.format.metadata import METADATA, CheckpointMetadata, Chunk, TensorEntry
 from ckptool.format.safetensors_writer import CASTABLE, cast_bytes
-from ckptool.format.copy_engine import Progress, Ticker, new_output_folder, unverified
+from ckptool.format.copy_engine import (Progress, Ticker, fsync_file, new_output_folder,
+                                        unverified)
 from ckptool.ops.hf_assets import copy_assets
 from ckptool.storage import Storage, atomic_path
 
@@ -171,15 +172,15 @@ def _write_output(tmp: Path, source: HFSource, plan: list[_Out],
     """The ``.distcp`` files, assets and ``.metadata`` in ``tmp`` (verified if asked): name ->
     (size, xxh3-64)."""
     ticker = Ticker(progress, sum(o.src.nbytes for o in plan))
-    files: dict[str, tuple[int, str]] = {}
+    files = copy_assets(source, tmp)  # first: fsynced while the disk has nothing else to write
     with _Copier(ticker, {o.src.path for o in plan}, compare=verify) as copier:
 
         def finish(written: list[WrittenFile[tuple[_Out, Chunk]]]) -> None:  # while fsyncing
             files.update({w.name: (w.size, w.digest) for w in written})
-            files.update(copy_assets(source, tmp))
-            write_metadata(tmp, _metadata(plan, written), checkpoint_id=str(out))
+            write_metadata(tmp, _metadata(plan, written), checkpoint_id=str(out), sync=False)
             if verify:
                 _verify(tmp, plan, copier.crcs, written)
+            fsync_file(tmp / METADATA)
             files[METADATA] = mf.file_checksum(Storage.open(tmp), METADATA)
 
         write_rank_files(tmp, ranks, copier.write_item, ticker=ticker, workers=local_workers(),

@@ -52,7 +52,7 @@ from ckptool.format.checkpoint_dirs import CheckpointDir, resolve_checkpoint, st
 from ckptool.format.metadata import (METADATA, BytesEntry, CheckpointMetadata, Chunk,
                                      TensorEntry)
 from ckptool.format.reader import CheckpointReader
-from ckptool.format.copy_engine import Progress, Ticker, new_output_folder, unverified
+from ckptool.format.copy_engine import Progress, Ticker, fsync_file, new_output_folder, unverified
 from ckptool.format.row_source import (ByteRange, RowSource, read_blocks, tensor_crc,
                                        tensor_digest)
 from ckptool.storage import Storage, atomic_path
@@ -147,9 +147,11 @@ def _write_output(source: RowSource, tmp: Path, plan: list[list[_Item]], *, out:
 
     def index_and_verify(written: list[WrittenFile[_Item]]) -> None:  # while files are fsynced
         source.check_crcs()
-        write_metadata(tmp, _output_metadata(source.ck.meta, written), checkpoint_id=str(out))
+        write_metadata(tmp, _output_metadata(source.ck.meta, written), checkpoint_id=str(out),
+                       sync=False)
         if verify:
             _verify(source, tmp, written)
+        fsync_file(tmp / METADATA)
 
     written = write_rank_files(tmp, plan, _Copier(source, ticker, compare=verify).write_item, ticker=ticker,
                                workers=local_workers(source.ck.storage.is_local),
