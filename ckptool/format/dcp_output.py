@@ -17,6 +17,7 @@ them). Torch-free.
 from __future__ import annotations
 
 import os
+from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
@@ -39,6 +40,10 @@ Item = TypeVar("Item")
 #: was computed from (the copy compared with the source's bytes, or its CRC-32 with the
 #: source's stored one): the read-back then skips the data.
 ItemWriter = Callable[[DistcpFile, Item, bytearray], bool | None]
+#: ``prefetch(item)`` asks the OS to read an item's source ahead; it returns the bytes asked.
+Prefetch = Callable[[Item], int]
+#: Source bytes each file's writer keeps asked for ahead of the item it copies (``prefetch``).
+PREFETCH_AHEAD = 32 << 20
 #: What a record must hold: (dtype, shape) of a tensor, None for a non-tensor value.
 Expected = tuple[DType, tuple[int, ...]] | None
 #: Records up to this size are read back in one call.
@@ -99,8 +104,8 @@ def rank_file_name(rank: int) -> str:
 def write_rank_files(folder: Path, ranks: list[list[Item]], write_item: ItemWriter, *,
                      ticker: Ticker, workers: int,
                      check: Callable[[Item], Expected] | None = None,
-                     meanwhile: Callable[[list[WrittenFile[Item]]], None] | None = None
-                     ) -> list[WrittenFile[Item]]:
+                     meanwhile: Callable[[list[WrittenFile[Item]]], None] | None = None,
+                     prefetch: Prefetch | None = None) -> list[WrittenFile[Item]]:
     """Write ``folder/__r_0.distcp`` holding ``ranks[r]``'s items, for every rank.
 
     Args:
@@ -114,6 +119,10 @@ def write_rank_files(folder: Path, ranks: list[list[Item]], write_item: ItemWrit
         meanwhile: called with the written files once all are written, while the last ones
             are still being fsynced (the disk's cache flush leaves the CPU idle): the index,
             the verification. Nothing it does may need the files durable.
+        prefetch: if given, each file's writer keeps the sources of its next items asked
+            for, ``PREFETCH_AHEAD`` bytes ahead, so that a cold source is read from disk
+            while earlier items are copied (a rank's rows of one tensor after another are
+            small ranges far apart, which the kernel's read-ahead does not foresee).
 
     Returns:
         One ``WrittenFile`` per rank, in rank order; every file is fsynced (also when
@@ -126,7 +135,8 @@ def write_rank_files(folder: Path, ranks: list[list[Item]], write_item: ItemWrit
         flushed: list[Future] = []
 
         def one(rank: int) -> WrittenFile[Item]:
-            done = _write_file(folder / rank_file_name(rank), ranks[rank], write_item, check)
+            done = _write_file(folder / rank_file_name(rank), ranks[rank], write_item, check,
+                               _Ahead(ranks[rank], prefetch))
             flushed.append(flusher.submit(fsync_file, folder / done.name))
             return done
 
@@ -138,14 +148,40 @@ def write_rank_files(folder: Path, ranks: list[list[Item]], write_item: ItemWrit
     return results
 
 
+class _Ahead(Generic[Item]):
+    """Keeps the sources of a file's next items asked for: ``PREFETCH_AHEAD`` bytes asked and
+    not yet written (the item being written included)."""
+
+    def __init__(self, items: list[Item], prefetch: Prefetch | None) -> None:
+        self.items = items
+        self.prefetch = prefetch
+        self.next = 0  # the first item not asked for yet
+        self.asked: deque[tuple[int, int]] = deque()  # (item index, bytes) asked, not written
+        self.bytes = 0
+
+    def before(self, k: int) -> None:
+        """Item ``k`` is about to be written: it and the next ones are asked for."""
+        if self.prefetch is None:
+            return
+        while self.asked and self.asked[0][0] < k:
+            self.bytes -= self.asked.popleft()[1]
+        while self.next < len(self.items) and (self.next <= k or self.bytes < PREFETCH_AHEAD):
+            n = self.prefetch(self.items[self.next])
+            self.asked.append((self.next, n))
+            self.bytes += n
+            self.next += 1
+
+
 def _write_file(path: Path, items: list[Item], write_item: ItemWriter,
-                check: Callable[[Item], Expected] | None) -> WrittenFile[Item]:
+                check: Callable[[Item], Expected] | None, ahead: _Ahead[Item]
+                ) -> WrittenFile[Item]:
     placed, checked = [], {}
     templates: dict[tuple[Expected, int], RecordTemplate] = {}
     buf = bytearray(BLOCK)
     with DistcpFile(path) as f, ExitStack() as stack:
         back = stack.enter_context(Storage.open(path.parent).reader(f.name)) if check else None
-        for item in items:
+        for k, item in enumerate(items):
+            ahead.before(k)
             start = f.size
             proven = write_item(f, item, buf)
             ref = StorageRef(f.name, start, f.size - start)

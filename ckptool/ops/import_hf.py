@@ -184,7 +184,8 @@ def _write_output(tmp: Path, source: HFSource, plan: list[_Out],
             files[METADATA] = mf.file_checksum(Storage.open(tmp), METADATA)
 
         write_rank_files(tmp, ranks, copier.write_item, ticker=ticker, workers=local_workers(),
-                         check=_expected if verify else None, meanwhile=finish)
+                         check=_expected if verify else None, meanwhile=finish,
+                         prefetch=copier.prefetch)
     return files
 
 
@@ -311,15 +312,27 @@ class _Copier:
         for fd in self.fds.values():
             os.close(fd)
 
+    @staticmethod
+    def _rows(item: tuple[_Out, Chunk]) -> tuple[int, int, int]:
+        """(first row, file offset, length) of a chunk's rows in its source file."""
+        t, chunk = item[0].src, item[1]
+        row = t.nbytes // t.shape[0] if t.shape else t.nbytes
+        lo = chunk.offsets[0] if chunk.offsets else 0
+        return lo, t.offset + lo * row, (chunk.sizes[0] if chunk.sizes else 1) * row
+
+    def prefetch(self, item: tuple[_Out, Chunk]) -> int:
+        """Ask the OS to read a chunk's source rows ahead; the bytes asked."""
+        _, start, length = self._rows(item)
+        if _FADVISE:
+            os.posix_fadvise(self.fds[item[0].src.path], start, length, os.POSIX_FADV_WILLNEED)
+        return length
+
     def write_item(self, f: DistcpFile, item: tuple[_Out, Chunk], buf: bytearray) -> bool:
         """Append one chunk's record; True when its data was compared as it was written with
         the source's bytes or their cast (the read-back then skips the data)."""
         o, chunk = item
         t = o.src
-        row = t.nbytes // t.shape[0] if t.shape else t.nbytes
-        lo = chunk.offsets[0] if chunk.offsets else 0
-        length = (chunk.sizes[0] if chunk.sizes else 1) * row
-        start = t.offset + lo * row
+        lo, start, length = self._rows(item)
         if t.dtype == o.dtype:
             piece: FileRange | Iterable[Any] = FileRange(self.fds[t.path], start, length, t.path,
                                                          compare=self.compare)
