@@ -156,6 +156,7 @@ class RecordTemplate:
                                        ".data/serialization_id")) and e.shared[2] & 0x08]
         masks = []  # (start, end) byte ranges of ``buf`` allowed to differ
         self.crcs = []  # (data start, data end or None, descriptor crc pos, directory crc pos)
+        self._data_crc: int | None = None  # where data_crc reads (empty data: not masked)
         for e in varying:
             start = rec.data_offset(e) - rec.ref.offset
             desc, cd = at(start + e.size + 4), at(e.cd_pos + 16)
@@ -189,7 +190,10 @@ class RecordTemplate:
         return True
 
     def data_crc(self, outside: bytes) -> int:
-        """The data's stored CRC-32 in a matching record's ``outside`` (``data_left_out``)."""
+        """The data's stored CRC-32 in a matching record's ``outside`` (``data_left_out``); for
+        empty data (no data descriptor, nothing masked) the template's own."""
+        if self._data_crc is None:
+            return self.loc.entry.crc
         return struct.unpack_from("<I", outside, self._data_crc)[0]
 
 

@@ -138,3 +138,17 @@ def test_unproven_data_is_always_read_in_full(tmp_path, monkeypatch):
     write_rank_files(tmp_path, [_items(4)], unproven, ticker=Ticker(None, 0), workers=1,
                      check=_expected)
     assert parses[0] == 4
+
+
+def test_empty_tensors_shaped_alike_are_checked(tmp_path, monkeypatch):
+    # an empty tensor's record has no data descriptor: nothing of the data is masked
+    parses = _parses(monkeypatch)
+
+    def empty(f, item, buf):
+        write_tensor(f, F32, (0, 4), [[b""]], lambda n: None, buf)
+        return True
+
+    [w] = write_rank_files(tmp_path, [[1, 2, 3]], empty, ticker=Ticker(None, 0), workers=1,
+                           check=lambda item: (F32, (0, 4)))
+    assert parses[0] == 1
+    assert sorted(w.checked.values()) == [(0, 0, (0, 4))] * 3
