@@ -2,7 +2,8 @@
 
 Shared by ``bench/reshard_bench.py`` and ``bench/import_bench.py``: every run is a fresh
 subprocess (``_common.run_once``); runs alternate across tools and cache modes (run 1 of every
-tool cold, then warm, then run 2 ...), so a slow spell of a loaded machine hits every tool.
+tool cold, then warm, then run 2 ..., the tools' order turned by one each run), so a slow spell
+of a loaded machine hits every tool, and none always runs after the same one.
 Before a cold run the page cache is dropped (root only); before a warm run the source is read
 once so that it sits in the cache. Every run starts with no dirty pages (``sync``).
 """
@@ -46,6 +47,9 @@ def measure(tools: Tools, src: Path, *, runs: int, modes: list[str],
             sources: dict[str, Path] | None = None) -> tuple[Results, bool]:
     """Run every tool ``runs`` times in every mode, interleaved; (results, caches were dropped).
 
+    The tools' order turns by one each run, so that no tool always follows the same one (a
+    tool run right after one that wrote 4 GB finds the disk still busy with its blocks).
+
     ``skip(name, i)`` leaves run ``i`` of a tool out (e.g. fewer runs of a slow peer route);
     ``sources[name]``: what a tool reads, when not ``src`` (read once before its warm runs).
     """
@@ -54,7 +58,8 @@ def measure(tools: Tools, src: Path, *, runs: int, modes: list[str],
     dropped = True
     for i in range(runs):
         for mode in modes:
-            for name, (cmd, out) in tools.items():
+            order = list(tools.items())
+            for name, (cmd, out) in order[i % len(order):] + order[:i % len(order)]:
                 if skip is not None and skip(name, i):
                     continue
                 remove(out)

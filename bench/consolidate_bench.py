@@ -73,7 +73,7 @@ def render(results: dict[str, dict[str, list[dict[str, float]]]], info: dict[str
              f"{info['tensors']} model tensors, {info['model_bytes'] / 1e9:.2f} GB of fp32 weights ("
              f"{info['disk_bytes'] / 1e9:.2f} GB on disk), largest tensor {info['largest'] / 2**20:.0f} MiB. "
              f"Machine: {info['machine']}. {info['runs']} runs per tool and page-cache mode, "
-             "interleaved; min / **median** / max.\n"]
+             "interleaved (the tools' order turned each run); min / **median** / max.\n"]
     for mode, res in results.items():
         lines += [f"Page cache: {mode_label(mode, bool(info['dropped']))}.\n",
                   "| tool | wall (s) | wall + sync (s) | peak RSS (MiB) |", "|---|---|---|---|"]

@@ -126,7 +126,7 @@ def render(results: Results, info: dict[str, object]) -> str:
              f"{info['chunk_src'] / 2**20:.0f} MiB in the source, "
              f"{info['chunk_out'] / 2**20:.0f} MiB in the output. Machine: {info['machine']}. "
              f"{info['runs']} runs per tool and page-cache mode, interleaved across tools and "
-             "modes; min / **median** / max. 1-minute load average before the runs (other jobs "
+             "modes (the tools' order turned each run); min / **median** / max. 1-minute load average before the runs (other jobs "
              f"on the machine): {loads_text(results)}.\n"]
     lines += mode_sections(results, dropped=info["dropped"], largest=info["largest"],
                            versus=("DCP", f"ckptool reshard --to {info['to']}",
