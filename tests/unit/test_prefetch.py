@@ -15,7 +15,7 @@ from ckptool.format.dcp_output import PREFETCH_AHEAD, write_rank_files, write_te
 from ckptool.format.dtypes import DTYPES
 
 F32 = DTYPES["float32"]
-SIZE = 12 << 20  # what each item's source is said to hold
+SIZE = PREFETCH_AHEAD * 3 // 8  # what each item's source is said to hold: 3 items fill it
 
 
 def test_items_are_asked_for_ahead_within_the_budget(tmp_path):
