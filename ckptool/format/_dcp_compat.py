@@ -45,33 +45,32 @@ class _Pickle:
     What ``pickle.dump`` of the real objects does, without their classes: globals are written
     by name (``GLOBAL``), a DCP class instance as ``NEWOBJ`` of its class then ``BUILD`` with
     its state (``copyreg.__newobj__``'s reduction), ``torch.Size(dims)`` and the two enum
-    values as ``REDUCE``. Strings and globals are memoized, so each is written once. About
-    10x faster than driving Python's ``pickle._Pickler`` with stand-in objects (0.4 s for an
-    index of 1,608 chunks), and loads as the same objects.
+    values as ``REDUCE``. Strings and globals are memoized, so each is written once. An index
+    of 1,608 chunks takes 0.06 s (0.25 s driving Python's ``pickle._Pickler`` with stand-in
+    objects, as before), and loads as the same objects.
     """
 
     def __init__(self) -> None:
         self.out = bytearray(pickle.PROTO + b"\x02")
-        self._memo: dict[tuple[str, str], int] = {}
+        self._memo: dict[tuple[str | None, str], int] = {}  # (None, text) or (module, name)
 
-    def _recall(self, key: tuple[str, str]) -> bool:
+    def _recall(self, key: tuple[str | None, str]) -> None:
+        """Memoize the object just written under ``key``, or write a reference to it."""
         i = self._memo.get(key)
         if i is None:
             self._memo[key] = i = len(self._memo)
             self.out += pickle.BINPUT + bytes((i,)) if i < 256 else pickle.LONG_BINPUT + _U32(i)
-            return False
-        self.out += pickle.BINGET + bytes((i,)) if i < 256 else pickle.LONG_BINGET + _U32(i)
-        return True
+        else:
+            self.out += pickle.BINGET + bytes((i,)) if i < 256 else pickle.LONG_BINGET + _U32(i)
 
     def text(self, s: str) -> None:
-        i = self._memo.get(("s", s))
-        if i is None:
+        if (None, s) not in self._memo:
             data = s.encode("utf-8", "surrogatepass")
             self.out += pickle.BINUNICODE + _U32(len(data)) + data
-        self._recall(("s", s))
+        self._recall((None, s))
 
     def global_(self, module: str, name: str) -> None:
-        if self._memo.get((module, name)) is None:
+        if (module, name) not in self._memo:
             self.out += pickle.GLOBAL + f"{module}\n{name}\n".encode()
         self._recall((module, name))
 
