@@ -71,3 +71,26 @@ def test_the_default_budget_is_half_the_available_memory(tmp_path, monkeypatch):
 @pytest.mark.skipif(not os.path.exists("/proc/meminfo"), reason="Linux only")
 def test_available_memory_reads_meminfo():
     assert available_memory() > 0
+
+
+def test_reshard_and_import_read_their_whole_local_source_ahead(tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    from safetensors.numpy import save_file
+
+    from ckptool.ops import import_hf as imp
+    from ckptool.ops import reshard as rs
+    from tests.unit.test_reshard import make_source
+
+    asked = []
+    monkeypatch.setattr(rs, "read_ahead", lambda paths: asked.append(list(paths)) or True)
+    monkeypatch.setattr(imp, "read_ahead", lambda paths: asked.append(list(paths)) or True)
+    make_source(tmp_path / "src", 3)
+    rs.reshard(tmp_path / "src", tmp_path / "out", world_size=2)
+    assert asked.pop() == [str(tmp_path / "src" / f"__{r}_0.distcp") for r in range(3)]
+    import numpy as np
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save_file({"w": np.ones((4, 2), np.float32)}, str(hf / "model.safetensors"))
+    imp.import_hf(hf, tmp_path / "imp", world_size=2)
+    assert [os.path.basename(p) for p in asked.pop()] == ["model.safetensors"]
