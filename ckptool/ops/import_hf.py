@@ -329,7 +329,7 @@ class _Copier:
     def prefetch(self, item: tuple[_Out, Chunk]) -> int:
         """Ask the OS to read a chunk's source rows ahead; the bytes asked."""
         _, start, length = self._rows(item)
-        if _FADVISE:
+        if _FADVISE and length:  # (a length of 0 would ask for the rest of the file)
             os.posix_fadvise(self.fds[item[0].src.path], start, length, os.POSIX_FADV_WILLNEED)
         return length
 

@@ -72,3 +72,26 @@ def test_import_asks_for_every_rank_s_rows_before_copying(tmp_path, monkeypatch)
         lo, hi = meta[name]["data_offsets"]
         rows = [(path, header + lo + r * (hi - lo) // 4, (hi - lo) // 4) for r in range(4)]
         assert all(r in asked for r in rows), name
+
+
+def test_import_never_asks_for_an_empty_shard_s_rows(tmp_path, monkeypatch):
+    # posix_fadvise with a length of 0 means "to the end of the file"
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file
+
+    from ckptool.ops import import_hf as imp
+
+    src = tmp_path / "m"
+    src.mkdir()
+    save_file({"small": torch.randn(2, 4), "big": torch.randn(64, 4)}, src / "model.safetensors")
+    lengths = []
+    real = os.posix_fadvise
+
+    def record(fd, offset, length, advice):
+        lengths.append(length)
+        real(fd, offset, length, advice)
+
+    monkeypatch.setattr(imp.os, "posix_fadvise", record)
+    monkeypatch.setattr(imp, "read_ahead", lambda paths: False)  # the per-rank prefetch only
+    imp.import_hf(src, tmp_path / "out", world_size=4, dtype="keep")  # ranks 2, 3: no rows of small
+    assert lengths and 0 not in lengths
