@@ -31,7 +31,7 @@ from ckptool.format.crc import crc32, crc32_combine
 from ckptool.format.dcp_writer import DistcpFile, TensorRecord
 from ckptool.format.dtypes import DType
 from ckptool.format.metadata import METADATA, StorageRef, TensorEntry
-from ckptool.format.torch_records import RecordReader, RecordTemplate
+from ckptool.format.torch_records import RecordReader, RecordTemplate, TensorLocation
 from ckptool.storage import BLOCK, RangeReader, Storage
 
 Item = TypeVar("Item")
@@ -226,13 +226,27 @@ def check_record(reader: RangeReader, ref: StorageRef, expected: Expected,
             file and the problem.
     """
     key = (expected, ref.length)
-    tpl = templates.get(key) if templates is not None and not data else None
+    shortcut = templates if not data else None
+    tpl = shortcut.get(key) if shortcut is not None else None
     if tpl is not None:
         outside = _outside(reader, ref, tpl.data_start, tpl.loc.nbytes)
         if outside is not None and tpl.matches(outside) and tpl.crc_ok(outside):
             return tpl.data_crc(outside), tpl.loc.nbytes, tpl.loc.shape
+    found, parsed = _check_in_full(reader, ref, expected, buf, data)
+    if parsed is not None and shortcut is not None and key not in shortcut:
+        rec, loc = parsed
+        outside = _outside(reader, ref, loc.data_offset - ref.offset, loc.nbytes)
+        if outside is not None:
+            shortcut[key] = RecordTemplate(rec, loc, outside, data_left_out=True)
+    return found
+
+
+def _check_in_full(reader: RangeReader, ref: StorageRef, expected: Expected, buf: bytearray,
+                   data: bool) -> tuple[Checked | None, tuple[RecordReader, TensorLocation] | None]:
+    """``check_record`` by parsing the record: what it found, and (when that is a tensor's
+    plain data) the record and tensor to make a template of."""
     where = f"{reader.storage.url_of(ref.relative_path)} (record at byte {ref.offset})"
-    problem, found, rec, loc = None, None, None, None
+    problem, found, parsed = None, None, None
     try:
         rec = RecordReader(reader, ref, where, preload=_PRELOAD)
         skip = None
@@ -242,7 +256,7 @@ def check_record(reader: RangeReader, ref: StorageRef, expected: Expected,
             loc = rec.tensor()
             skip = None if data else loc.entry.name
             if loc.contiguous and loc.storage_offset == 0 and loc.entry.size == loc.nbytes:
-                found = (loc.entry.crc, loc.entry.size, loc.shape)
+                found, parsed = (loc.entry.crc, loc.entry.size, loc.shape), (rec, loc)
             if (loc.dtype, loc.shape) != expected:
                 problem = (f"{where} holds {loc.dtype} {list(loc.shape)}, written as {expected[0]} "
                            f"{list(expected[1])}")
@@ -258,12 +272,7 @@ def check_record(reader: RangeReader, ref: StorageRef, expected: Expected,
         problem = str(e)
     if problem is not None:
         raise unverified(where, problem)
-    if (found is not None and rec is not None and loc is not None and templates is not None
-            and not data and key not in templates):
-        outside = _outside(reader, ref, loc.data_offset - ref.offset, loc.nbytes)
-        if outside is not None:
-            templates[key] = RecordTemplate(rec, loc, outside, data_left_out=True)
-    return found
+    return found, parsed
 
 
 def _outside(reader: RangeReader, ref: StorageRef, start: int, size: int) -> bytes | None:

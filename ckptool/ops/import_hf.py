@@ -4,8 +4,9 @@
 ``N`` gets one file, ``__r_0.distcp``, holding exactly its ``torch.chunk`` rows (dim 0) of every
 tensor -- what ``fully_shard`` on N ranks, ``get_model_state_dict`` and ``dcp.save`` write --
 under keys ``model.<hf name>`` (``planner_data`` keeps the nesting ``("model", name)``).
-Records come from ``format/dcp_writer.py`` (byte-identical to ``torch.save``); worker threads,
-progress, verification and the commit are reshard's (``ops/reshard.py``).
+Records come from ``format/dcp_writer.py`` (byte-identical to ``torch.save``), each chunk's
+written by ``ops/import_copy.py``; worker threads, progress, verification and the commit are
+reshard's (``ops/reshard.py``).
 
 Bytes move without torch: each output row block is one contiguous range of a source file,
 copied in the kernel (``os.copy_file_range``) 512 KiB at a time, the source's bytes re-read
@@ -40,36 +41,31 @@ import re
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Self
 
 from ckptool._version import __version__
-from ckptool.errors import ConfigError, CorruptCheckpointError, IncompatibleCheckpointError
+from ckptool.errors import ConfigError, IncompatibleCheckpointError
 from ckptool.format import manifest as mf
 from ckptool.format.crc import crc32_combine
-from ckptool.format.dcp_output import (Expected, FileRange, WrittenFile, check_world_size,
-                                       file_sizes, local_workers, read_back_crc,
-                                       write_rank_files, write_tensor)
-from ckptool.format.dcp_writer import V2_DTYPES, DistcpFile, write_metadata
+from ckptool.format.dcp_output import (Expected, WrittenFile, check_world_size, file_sizes,
+                                       local_workers, read_back_crc, write_rank_files)
+from ckptool.format.dcp_writer import V2_DTYPES, write_metadata
 from ckptool.format.fsdp_layout import fsdp_chunks
-from ckptool.format.dtypes import DTYPES, DType
+from ckptool.format.dtypes import DTYPES
 from ckptool.format.hf_source import (ASSETS_DIR, HEAD_NAME, KNOWN_EMBEDDINGS, HFSource,
-                                     SourceTensor, input_embeddings, open_source,
-                                     ties_embeddings)
+                                     input_embeddings, open_source, ties_embeddings)
 from ckptool.format.metadata import METADATA, CheckpointMetadata, Chunk, TensorEntry
-from ckptool.format.safetensors_writer import CASTABLE, cast_bytes
+from ckptool.format.safetensors_writer import CASTABLE
 from ckptool.format.copy_engine import (Progress, Ticker, fsync_file, new_output_folder,
                                         unverified)
 from ckptool.ops.hf_assets import copy_assets
+from ckptool.ops.import_copy import Copier, OutTensor
 from ckptool.storage import Storage, atomic_path
 from ckptool.storage.readahead import read_ahead
 
 DTYPE_CHOICES = ("float32", "keep")
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(?:@[\w./-]+)?")
-_FADVISE = hasattr(os, "posix_fadvise")
-_CAST_BLOCK = 256 << 10
 
 
 @dataclass(frozen=True)
@@ -102,15 +98,6 @@ class ImportResult:
     files: dict[str, int]
     seconds: float
     verified: bool
-
-
-@dataclass(frozen=True)
-class _Out:
-    """One output tensor: its key, source, and output dtype."""
-
-    fqn: str
-    src: SourceTensor
-    dtype: DType
 
 
 def import_hf(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, world_size: int,
@@ -171,17 +158,17 @@ def _check_options(world_size: int, dtype: str) -> None:
         raise ConfigError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
 
 
-def _write_output(tmp: Path, source: HFSource, plan: list[_Out],
-                  ranks: list[list[tuple[_Out, Chunk]]], *, out: Path, verify: bool,
+def _write_output(tmp: Path, source: HFSource, plan: list[OutTensor],
+                  ranks: list[list[tuple[OutTensor, Chunk]]], *, out: Path, verify: bool,
                   progress: Progress | None) -> dict[str, tuple[int, str]]:
     """The ``.distcp`` files, assets and ``.metadata`` in ``tmp`` (verified if asked): name ->
     (size, xxh3-64)."""
     ticker = Ticker(progress, sum(o.src.nbytes for o in plan))
     files = copy_assets(source, tmp)  # first: fsynced while the disk has nothing else to write
     read_ahead(sorted({o.src.path for o in plan}))  # the whole source, if it fits in memory
-    with _Copier(ticker, {o.src.path for o in plan}, compare=verify) as copier:
+    with Copier(ticker, {o.src.path for o in plan}, compare=verify) as copier:
 
-        def finish(written: list[WrittenFile[tuple[_Out, Chunk]]]) -> None:  # while fsyncing
+        def finish(written: list[WrittenFile[tuple[OutTensor, Chunk]]]) -> None:  # while fsyncing
             files.update({w.name: (w.size, w.digest) for w in written})
             write_metadata(tmp, _metadata(plan, written), checkpoint_id=str(out), sync=False)
             if verify:
@@ -234,7 +221,7 @@ def _check_inside(source: HFSource, out: Path) -> None:
 # Planning (headers only)
 
 
-def _plan(source: HFSource, dtype: str) -> list[_Out]:
+def _plan(source: HFSource, dtype: str) -> list[OutTensor]:
     """Output tensors in source read order; a tied ``lm_head.weight`` last."""
     target = DTYPES["float32"]
     plan = []
@@ -244,11 +231,11 @@ def _plan(source: HFSource, dtype: str) -> list[_Out]:
             raise IncompatibleCheckpointError(
                 f"{source.root}: {t.name} is {t.dtype}, which ckptool cannot write as a DCP "
                 "record yet", path=source.root, hint="Convert it to a float dtype first")
-        plan.append(_Out(f"model.{t.name}", t, out))
+        plan.append(OutTensor(f"model.{t.name}", t, out))
     tied = _tied_head(source)
     if tied is not None:
         emb = next(o for o in plan if o.src.name == tied[1])
-        plan.append(_Out(f"model.{tied[0]}", emb.src, emb.dtype))
+        plan.append(OutTensor(f"model.{tied[0]}", emb.src, emb.dtype))
     return plan
 
 
@@ -268,20 +255,20 @@ def _tied_head(source: HFSource) -> tuple[str, str] | None:
     return None
 
 
-def _plan_ranks(plan: list[_Out], world_size: int) -> list[list[tuple[_Out, Chunk]]]:
-    ranks: list[list[tuple[_Out, Chunk]]] = [[] for _ in range(world_size)]
+def _plan_ranks(plan: list[OutTensor], world_size: int) -> list[list[tuple[OutTensor, Chunk]]]:
+    ranks: list[list[tuple[OutTensor, Chunk]]] = [[] for _ in range(world_size)]
     for o in plan:
         for rank, chunk in fsdp_chunks(o.src.shape, world_size):
             ranks[rank].append((o, chunk))
     return ranks
 
 
-def _expected(item: tuple[_Out, Chunk]) -> Expected:
+def _expected(item: tuple[OutTensor, Chunk]) -> Expected:
     """What a chunk's record must hold when read back."""
     return item[0].dtype, item[1].sizes
 
 
-def _metadata(plan: list[_Out], written: list[WrittenFile[tuple[_Out, Chunk]]]
+def _metadata(plan: list[OutTensor], written: list[WrittenFile[tuple[OutTensor, Chunk]]]
               ) -> CheckpointMetadata:
     chunks: dict[str, list[Chunk]] = defaultdict(list)
     for w in written:
@@ -294,87 +281,11 @@ def _metadata(plan: list[_Out], written: list[WrittenFile[tuple[_Out, Chunk]]]
 
 
 # ---------------------------------------------------------------------------------------------
-# Copying
-
-
-class _Copier:
-    """Writes import's rank chunks from the open source files, casting when asked; keeps the
-    CRC-32 of every chunk written for the verification. ``compare``: each copy is read back
-    and compared with the source's bytes as it is made."""
-
-    def __init__(self, ticker: Ticker, paths: set[str], *, compare: bool) -> None:
-        self.ticker = ticker
-        self.compare = compare
-        self.paths = sorted(paths)
-        self.fds: dict[str, int] = {}
-        self.crcs: dict[tuple[str, int], int] = {}  # (fqn, first row) -> CRC-32 written
-
-    def __enter__(self) -> Self:
-        for p in self.paths:
-            self.fds[p] = os.open(p, os.O_RDONLY)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
-
-    @staticmethod
-    def _rows(item: tuple[_Out, Chunk]) -> tuple[int, int, int]:
-        """(first row, file offset, length) of a chunk's rows in its source file."""
-        t, chunk = item[0].src, item[1]
-        row = t.nbytes // t.shape[0] if t.shape else t.nbytes
-        lo = chunk.offsets[0] if chunk.offsets else 0
-        return lo, t.offset + lo * row, (chunk.sizes[0] if chunk.sizes else 1) * row
-
-    def prefetch(self, item: tuple[_Out, Chunk]) -> int:
-        """Ask the OS to read a chunk's source rows ahead; the bytes asked."""
-        _, start, length = self._rows(item)
-        if _FADVISE and length:  # (a length of 0 would ask for the rest of the file)
-            os.posix_fadvise(self.fds[item[0].src.path], start, length, os.POSIX_FADV_WILLNEED)
-        return length
-
-    def write_item(self, f: DistcpFile, item: tuple[_Out, Chunk], buf: bytearray) -> bool:
-        """Append one chunk's record; True when its data was compared as it was written with
-        the source's bytes or their cast (the read-back then skips the data)."""
-        o, chunk = item
-        t = o.src
-        lo, start, length = self._rows(item)
-        if t.dtype == o.dtype:
-            piece: FileRange | Iterable[Any] = FileRange(self.fds[t.path], start, length, t.path,
-                                                         compare=self.compare)
-        else:  # a cast allocates a few times its output: cast 256 KiB at a time
-            piece = (cast_bytes(data, t.dtype, o.dtype) for data in
-                     _read(self.fds[t.path], start, length, memoryview(buf)[:_CAST_BLOCK], t.path))
-        ratio = (t.dtype.itemsize, o.dtype.itemsize)
-        [(crc, _)] = write_tensor(f, o.dtype, chunk.sizes, [piece],
-                                  lambda n: self.ticker.add(n * ratio[0] // ratio[1]), buf,
-                                  compare=self.compare)
-        self.crcs[(o.fqn, lo)] = crc
-        return self.compare
-
-
-def _read(fd: int, start: int, length: int, buf: memoryview, where: str):
-    """``length`` bytes at ``start`` of ``fd`` in views of ``buf`` (read ahead meanwhile)."""
-    view, done = buf, 0
-    while done < length:
-        want = min(len(buf), length - done)
-        if _FADVISE and done + want < length:
-            os.posix_fadvise(fd, start + done + want, min(len(buf), length - done - want),
-                             os.POSIX_FADV_WILLNEED)
-        n = os.preadv(fd, [view[:want]], start + done)
-        if n <= 0:
-            raise CorruptCheckpointError(f"{where} ended while reading it (changed meanwhile?)",
-                                         path=where, hint="Nothing was written")
-        yield view[:n]
-        done += n
-
-
-# ---------------------------------------------------------------------------------------------
 # Verification and manifest
 
 
-def _verify(folder: Path, plan: list[_Out], crcs: dict[tuple[str, int], int],
-            written: list[WrittenFile[tuple[_Out, Chunk]]]) -> None:
+def _verify(folder: Path, plan: list[OutTensor], crcs: dict[tuple[str, int], int],
+            written: list[WrittenFile[tuple[OutTensor, Chunk]]]) -> None:
     """Validate the output (its records were deep-checked as they were written: parsed, dtype
     and shape, CRC-32 of every entry); then every tensor's row-major CRC-32, from the records
     the written index points to, must equal the CRC-32 of the (cast) source rows computed

@@ -131,8 +131,6 @@ def reshard(src: str | os.PathLike[str], dst: str | os.PathLike[str] | None = No
     n_src = _source_world_size(ckpt, meta, expect_from)
     out = _destination(ckpt, dst, world_size, force)
     plan = _plan_ranks(meta, world_size, source_world_size=n_src)
-    if ckpt.storage.is_local:  # the whole source, if it fits in memory
-        read_ahead([ckpt.storage.path(rel) for rel in meta.files()])
     with CheckpointReader(ckpt.storage, meta) as ck, atomic_path(out) as tmp:
         tmp.mkdir()
         files = _write_output(RowSource(ck, track=True), tmp, plan, out=out, verify=verify,
@@ -150,6 +148,8 @@ def _write_output(source: RowSource, tmp: Path, plan: list[list[_Item]], *, out:
     """The ``.distcp`` files and ``.metadata`` in ``tmp`` (verified if asked): name -> (size,
     xxh3-64)."""
     ticker = Ticker(progress, sum(t.nbytes for t in source.ck.meta.tensors.values()))
+    if source.ck.storage.is_local:  # the whole source, if it fits in memory
+        read_ahead([source.ck.storage.path(rel) for rel in source.ck.meta.files()])
 
     def index_and_verify(written: list[WrittenFile[_Item]]) -> None:  # while files are fsynced
         source.check_crcs()
