@@ -37,7 +37,6 @@ class OutTensor:
     dtype: DType
 
 
-
 class Copier:
     """Writes import's rank chunks from the open source files, casting when asked; keeps the
     CRC-32 of every chunk written for the verification. ``compare``: each copy is read back
