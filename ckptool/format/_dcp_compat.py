@@ -32,8 +32,7 @@ TESTED_TORCH = ("2.13",)
 #: DCP's ``CURRENT_DCP_VERSION``; written when the source index has none.
 DCP_VERSION = "1.0.0"
 
-_MD = DCP_METADATA
-_NEWOBJ_CLASSES = {name: (_MD, name) for name in (
+_NEWOBJ_CLASSES = {name: (DCP_METADATA, name) for name in (
     "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
     "TensorProperties", "MetadataIndex", "StorageMeta")}
 _NEWOBJ_CLASSES["_StorageInfo"] = STORAGE_INFO

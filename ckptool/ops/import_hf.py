@@ -24,8 +24,8 @@ tied model whose files store no ``lm_head.weight`` gets it from the input embedd
 ``config["hf_assets"]``) for a later export.
 
 A local source that fits in half the available memory is read into the page cache front to
-back on a thread of its own as the copy starts (``storage.readahead``); each worker also asks
-for its next rows 128 MiB ahead, so a larger cold source is read ahead too.
+back on a thread of its own as the copy starts (``storage.readahead``); for a larger one, each
+worker asks for its next rows 128 MiB ahead instead.
 
 Peak memory: one 8 MiB buffer per worker (a cast holds one 256 KiB block and its cast at a
 time); it does not grow with the model.
@@ -165,7 +165,8 @@ def _write_output(tmp: Path, source: HFSource, plan: list[OutTensor],
     (size, xxh3-64)."""
     ticker = Ticker(progress, sum(o.src.nbytes for o in plan))
     files = copy_assets(source, tmp)  # first: fsynced while the disk has nothing else to write
-    read_ahead(sorted({o.src.path for o in plan}))  # the whole source, if it fits in memory
+    # the whole source, if it fits in memory; else each worker asks for its next rows
+    whole = read_ahead(sorted({o.src.path for o in plan}))
     with Copier(ticker, {o.src.path for o in plan}, compare=verify) as copier:
 
         def finish(written: list[WrittenFile[tuple[OutTensor, Chunk]]]) -> None:  # while fsyncing
@@ -178,7 +179,7 @@ def _write_output(tmp: Path, source: HFSource, plan: list[OutTensor],
 
         write_rank_files(tmp, ranks, copier.write_item, ticker=ticker, workers=local_workers(),
                          check=_expected if verify else None, meanwhile=finish,
-                         prefetch=copier.prefetch)
+                         prefetch=None if whole else copier.prefetch)
     return files
 
 

@@ -63,6 +63,7 @@ def test_import_asks_for_every_rank_s_rows_before_copying(tmp_path, monkeypatch)
         real(fd, offset, length, advice)
 
     monkeypatch.setattr(imp.os, "posix_fadvise", record)
+    monkeypatch.setattr(imp, "read_ahead", lambda paths: False)  # as for a source too big
     imp.import_hf(src, tmp_path / "out", world_size=4, dtype="keep")
     blob = (src / "model.safetensors").read_bytes()
     header = 8 + int.from_bytes(blob[:8], "little")
@@ -95,3 +96,27 @@ def test_import_never_asks_for_an_empty_shard_s_rows(tmp_path, monkeypatch):
     monkeypatch.setattr(imp, "read_ahead", lambda paths: False)  # the per-rank prefetch only
     imp.import_hf(src, tmp_path / "out", world_size=4, dtype="keep")  # ranks 2, 3: no rows of small
     assert lengths and 0 not in lengths
+
+
+@pytest.mark.parametrize("whole", [True, False])
+def test_import_prefetches_per_rank_only_when_the_source_is_not_read_whole(tmp_path, monkeypatch,
+                                                                         whole):
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from ckptool.ops import import_hf as imp
+
+    src = tmp_path / "m"
+    src.mkdir()
+    save_file({"w": np.ones((8, 2), np.float32)}, str(src / "model.safetensors"))
+    seen = []
+    real = imp.write_rank_files
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["prefetch"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(imp, "read_ahead", lambda paths: whole)
+    monkeypatch.setattr(imp, "write_rank_files", spy)
+    imp.import_hf(src, tmp_path / "out", world_size=2)
+    assert (seen[0] is None) is whole
