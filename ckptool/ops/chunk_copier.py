@@ -10,6 +10,10 @@ file; ``whole`` pieces are tensors saved in other boxes, assembled in memory one
   it, so the two overlap on two cores;
 - local source, bytes through Python (a cast, ``verify``): per file one job reads each block
   once (``row_source.read_blocks``): CRC, cast, positioned write;
+- a local source's records, when they fit in half of the free memory, are first asked for
+  front to back on a thread of their own (``storage.readahead``), so that a cold disk reads
+  them at its sequential speed (2.2 GB, cold, 9 interleaved pairs: median 5.40 s, was 5.59 s;
+  ``--no-crc-check``, 4 pairs: 5.90 s, was 6.43 s);
 - remote source: per source file one job (``REMOTE_WORKERS`` at once) reads the file front to
   back over one streamed request (``storage.remote.StreamedFile``), dropping the bytes between
   the records it needs. A record of up to ``REMOTE_BLOCK`` bytes is read whole and copied from
@@ -40,6 +44,7 @@ from ckptool.format.row_source import ByteRange, blocks_of, read_block, read_blo
 from ckptool.format.safetensors_writer import FileLayout, OutputFile, cast_bytes
 from ckptool.format.torch_records import tensor_from_head
 from ckptool.storage import BLOCK
+from ckptool.storage.readahead import Span, merged, read_ahead
 from ckptool.storage.remote import StreamedFile
 
 #: Remote source files read at once, and the most bytes a job reads at once (a record of up to
@@ -53,6 +58,8 @@ _TAIL = 128 << 10
 #: How far ahead of an in-kernel copy the source is asked for.
 READ_AHEAD = 4 * BLOCK
 _FADVISE = hasattr(os, "posix_fadvise")
+#: Records this close together are read ahead as one range.
+_GAP = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -78,6 +85,7 @@ class Copier:
         self.ck, self.check_crc, self.track, self.inline = ck, check_crc, track, inline
         self.ticker = Ticker(None, 0)
         self.outs: list[OutputFile] = []
+        self.ahead = False  # the whole local source is being read ahead (``storage.readahead``)
 
     def run(self, paths: list[Path], layouts: list[FileLayout], pieces: list[Piece],
             whole: list[Piece], workers: int | None, progress: Progress | None) -> None:
@@ -98,6 +106,7 @@ class Copier:
                 o.close(sync=not self.ticker.abort.is_set())
 
     def _run_local(self, pieces: list[Piece], whole: list[Piece], workers: int) -> None:
+        self.ahead = read_ahead(self._source_spans(pieces, whole))  # (if they fit in memory)
         files = list(_by_file(pieces).values())
         jobs: list[Callable[[], object]]
         if self.inline:  # reading, casting and hashing in Python: a job per source file
@@ -114,6 +123,13 @@ class Copier:
                                           for rel, ps in _by_file(pieces).items()]
         jobs += [functools.partial(self._whole_job, whole)] if whole else []
         run_jobs(self.ticker, lambda job: job(), jobs, workers)
+
+    def _source_spans(self, pieces: list[Piece], whole: list[Piece]) -> list[Span]:
+        """The records the pieces read, in the order they are read; close ones joined."""
+        refs = [_ref(p) for p in pieces]
+        refs += [c.storage for p in whole for c in p.tensor.chunks if c.storage is not None]
+        return merged(((self.ck.storage.path(r.relative_path), r.offset, r.length) for r in refs),
+                      gap=_GAP)
 
     def _advance(self, n: int) -> None:
         self.ticker.add(n)  # raises Aborted once another job failed
@@ -142,12 +158,13 @@ class Copier:
 
     def _copy_in_kernel(self, p: Piece, cb: ChunkBytes) -> None:
         """``copy_file_range`` in blocks (so cancel and progress work), the source's next blocks
-        asked for ahead (``POSIX_FADV_WILLNEED``): the kernel's own read-ahead of a cold file
-        under ``copy_file_range`` is small, and the disk would idle between blocks."""
+        asked for ahead (``POSIX_FADV_WILLNEED``) unless the whole source already is: the
+        kernel's own read-ahead of a cold file under ``copy_file_range`` is small, and the disk
+        would idle between blocks."""
         fd, span = cb.reader.fileno, ByteRange(None, cb.reader, cb.start, 0, cb.nbytes)
         assert fd is not None
         for part in blocks_of(span, BLOCK):
-            if _FADVISE and part.rel % READ_AHEAD == 0:
+            if _FADVISE and not self.ahead and part.rel % READ_AHEAD == 0:
                 os.posix_fadvise(fd, part.start + BLOCK, READ_AHEAD, os.POSIX_FADV_WILLNEED)
             self.outs[p.out].copy_from(fd, part.start, part.length, p.offset + part.rel)
             self._advance(part.length)

@@ -94,3 +94,52 @@ def test_reshard_and_import_read_their_whole_local_source_ahead(tmp_path, monkey
     save_file({"w": np.ones((4, 2), np.float32)}, str(hf / "model.safetensors"))
     imp.import_hf(hf, tmp_path / "imp", world_size=2)
     assert [os.path.basename(p) for p in asked.pop()] == ["model.safetensors"]
+
+
+def test_parts_of_files_are_asked_for_as_given(tmp_path, monkeypatch):
+    calls, done = _recording(monkeypatch)
+    p = tmp_path / "f.bin"
+    with open(p, "wb") as f:
+        f.truncate(STEP * 3)
+    assert read_ahead([(str(p), 10, STEP + 1), (str(p), 2 * STEP + 7, 3)], budget=STEP + 4) is True
+    assert done.wait(10)
+    rp = os.path.realpath(p)
+    assert [c[:3] for c in calls] == [(rp, 10, STEP), (rp, STEP + 10, 1), (rp, 2 * STEP + 7, 3)]
+    assert read_ahead([(str(p), 0, STEP + 5)], budget=STEP + 4) is False  # parts count, not files
+
+
+def test_merged_joins_close_parts_of_one_file_in_order():
+    spans = [("a", 0, 10), ("a", 12, 3), ("a", 20, 5), ("b", 25, 1), ("b", 0, 4), ("a", 25, 1)]
+    assert readahead.merged(spans, gap=2) == [
+        ("a", 0, 15), ("a", 20, 5), ("b", 25, 1), ("b", 0, 4), ("a", 25, 1)]
+    assert readahead.merged(spans, gap=5) == [
+        ("a", 0, 25), ("b", 25, 1), ("b", 0, 4), ("a", 25, 1)]
+    assert readahead.merged([], gap=5) == []
+
+
+def test_consolidate_reads_ahead_its_model_records_only(tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    from ckptool.format.metadata import read_metadata
+    from ckptool.ops import chunk_copier
+    from ckptool.ops.consolidate import consolidate
+    from ckptool.storage import Storage
+    from tests.unit.test_consolidate import _model, _save
+    import torch
+
+    ck = _save(tmp_path / "step_1", {"model": _model(), "optim": {"m": torch.ones(64, 64)}})
+    asked = []
+    monkeypatch.setattr(chunk_copier, "read_ahead", lambda spans: asked.append(spans) or True)
+    monkeypatch.setattr(chunk_copier, "_GAP", 0)  # records joined only where they touch
+    consolidate(ck, tmp_path / "m.safetensors")
+    meta = read_metadata(Storage(str(ck)))
+    ranges = {fqn: [(ck / c.storage.relative_path, c.storage.offset, c.storage.length)
+                    for c in t.chunks if c.storage is not None and c.numel]  # (empty: not read)
+              for fqn, t in meta.tensors.items()}
+    [spans] = asked
+
+    def covered(parts):
+        return {(str(p), b) for p, o, n in parts for b in range(o, o + n)}
+
+    model = covered(r for fqn, rs in ranges.items() if fqn.startswith("model.") for r in rs)
+    assert covered(spans) == model and model
+    assert not covered(ranges["optim.m"]) & covered(spans)
