@@ -156,14 +156,18 @@ def tools(src: Path, work: Path, m: int, peer_ranks: int) -> dict[str, tuple[lis
 
 
 def float32_reference(src: Path, out: Path, m: int) -> None:
-    """The float32 import of ``src`` for ``m`` ranks, made once (``cp -r``'d by ``CP32``)."""
-    if not (out / ".metadata").exists():
-        import subprocess
+    """The float32 import of ``src`` for ``m`` ranks, made once per source and rank count
+    (``cp -r``'d by ``CP32``); ``out.made-from`` says which."""
+    import subprocess
 
-        if out.exists():
-            shutil.rmtree(out)
-        subprocess.run(["ckptool", "import", str(src), str(out), "--ranks", str(m)], check=True,
-                       stdout=subprocess.DEVNULL)
+    stamp, made_from = out.with_name(out.name + ".made-from"), f"{src.resolve()} {m}"
+    if (out / ".metadata").exists() and stamp.exists() and stamp.read_text() == made_from:
+        return
+    if out.exists():
+        shutil.rmtree(out)
+    subprocess.run(["ckptool", "import", str(src), str(out), "--ranks", str(m)], check=True,
+                   stdout=subprocess.DEVNULL)
+    stamp.write_text(made_from)
 
 
 def describe(src: Path) -> dict[str, object]:
