@@ -2,8 +2,11 @@
 
 Shared by ``bench/reshard_bench.py`` and ``bench/import_bench.py``: every run is a fresh
 subprocess (``_common.run_once``); runs alternate across tools and cache modes (run 1 of every
-tool cold, then warm, then run 2 ..., the tools' order turned by one each run), so a slow spell
-of a loaded machine hits every tool, and none always runs after the same one.
+tool cold, then warm, then run 2 ...), so a slow spell of a loaded machine hits every tool. The
+tools' order is shuffled anew for every run and mode (seeded: the same each time the bench is
+run), so that no tool always runs after the same one: the run before leaves the disk and the
+host busy (its output deleted, its memory freed), and turning one fixed order by one each run
+kept every tool's predecessor the same in all but one position.
 Before a cold run the page cache is dropped (root only); before a warm run the source is read
 once so that it sits in the cache. Every run starts with no dirty pages (``sync``).
 
@@ -15,6 +18,7 @@ drifts during a benchmark.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import statistics
 from collections.abc import Callable
@@ -51,8 +55,8 @@ def measure(tools: Tools, src: Path, *, runs: int, modes: list[str],
             sources: dict[str, Path] | None = None) -> tuple[Results, bool]:
     """Run every tool ``runs`` times in every mode, interleaved; (results, caches were dropped).
 
-    The tools' order turns by one each run, so that no tool always follows the same one (a
-    tool run right after one that wrote 4 GB finds the disk still busy with its blocks).
+    The tools' order is shuffled for each run and mode (seeded), so that no tool always follows
+    the same one (a tool run right after one that wrote 4 GB finds the disk still busy).
 
     ``skip(name, i)`` leaves run ``i`` of a tool out (e.g. fewer runs of a slow peer route);
     ``sources[name]``: what a tool reads, when not ``src`` (read once before its warm runs).
@@ -63,7 +67,8 @@ def measure(tools: Tools, src: Path, *, runs: int, modes: list[str],
     for i in range(runs):
         for mode in modes:
             order = list(tools.items())
-            for name, (cmd, out) in order[i % len(order):] + order[:i % len(order)]:
+            random.Random(f"{i} {mode}").shuffle(order)
+            for name, (cmd, out) in order:
                 if skip is not None and skip(name, i):
                     continue
                 remove(out)
@@ -151,16 +156,33 @@ def versus_line(results: dict[str, list[dict[str, float]]], other: str, main: st
             "(for information; no target)"]
 
 
+#: How the bench texts say the runs were ordered.
+ORDER_NOTE = "the tools' order shuffled for each run (seeded)"
+
+
 def add_run_options(ap, *, work: str) -> None:
-    """``--runs``, ``--cache``, ``--work``, ``--only`` and ``--markdown``, the same in every
-    bench that uses ``measure``."""
+    """``--runs``, ``--peer-runs``, ``--cache``, ``--work``, ``--only`` and ``--markdown``, the
+    same in every bench that uses ``measure``."""
     ap.add_argument("--runs", type=int, default=5, help="runs per tool and cache mode (default 5)")
+    ap.add_argument("--peer-runs", type=int, default=None,
+                    help="runs of the other tools' (slow) ways: all but ckptool and the copies "
+                    "(default: --runs)")
     ap.add_argument("--cache", choices=CACHE_CHOICES, default="both",
                     help="page cache before each run: cold (dropped), warm, or both (default)")
     ap.add_argument("--work", type=Path, default=Path(work))
     ap.add_argument("--only", action="append",
                     help="run only the tools whose names start with this (repeatable)")
     ap.add_argument("--markdown", type=Path, help="write the table into this file's section")
+
+
+def peer_runs(args) -> int:
+    """``--peer-runs``, at most ``--runs``."""
+    return min(args.peer_runs or args.runs, args.runs)
+
+
+def skip_peers(n: int) -> Callable[[str, int], bool]:
+    """``measure``'s ``skip``: the peers' ways (neither ckptool nor a copy) run ``n`` times."""
+    return lambda name, i: not name.startswith(("ckptool", "cp ")) and i >= n
 
 
 def select(tools: Tools, only: list[str] | None) -> Tools:

@@ -26,7 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import check, fmt, mem_gib, write_section  # noqa: E402
-from _runs import add_run_options, measure, medians, mode_label, modes_of, select, targets  # noqa: E402
+from _runs import (ORDER_NOTE, add_run_options, measure, medians, mode_label,  # noqa: E402
+                   modes_of, peer_runs, select, skip_peers, targets)
 
 SECTION = "## consolidate"
 
@@ -72,8 +73,9 @@ def render(results: dict[str, dict[str, list[dict[str, float]]]], info: dict[str
              f"Checkpoint: {info['world_size']}-rank FSDP2-style DCP (`bench/gen_checkpoint.py`), "
              f"{info['tensors']} model tensors, {info['model_bytes'] / 1e9:.2f} GB of fp32 weights ("
              f"{info['disk_bytes'] / 1e9:.2f} GB on disk), largest tensor {info['largest'] / 2**20:.0f} MiB. "
-             f"Machine: {info['machine']}. {info['runs']} runs per tool and page-cache mode, "
-             "interleaved (the tools' order turned each run); min / **median** / max.\n"]
+             f"Machine: {info['machine']}. {info['runs']} runs per tool and page-cache mode "
+             f"(the other tools' ways: {info.get('peer_runs', info['runs'])}), interleaved "
+             f"({ORDER_NOTE}); min / **median** / max.\n"]
     for mode, res in results.items():
         lines += [f"Page cache: {mode_label(mode, bool(info['dropped']))}.\n",
                   "| tool | wall (s) | wall + sync (s) | peak RSS (MiB) |", "|---|---|---|---|"]
@@ -121,9 +123,10 @@ def main() -> None:
         args.work.mkdir(parents=True, exist_ok=True)
         selected = select(tools(args.checkpoint, args.work), args.only)
         load0 = os.getloadavg()[1]
+        n_peer = peer_runs(args)
         results, dropped = measure(selected, args.checkpoint, runs=args.runs,
-                                   modes=modes_of(args.cache))
-        info = describe(args.checkpoint, args.runs, dropped, load0, args.cache)
+                                   modes=modes_of(args.cache), skip=skip_peers(n_peer))
+        info = describe(args.checkpoint, args.runs, dropped, load0, args.cache, n_peer)
         (args.work / "results.json").write_text(json.dumps({"results": results, "info": info}, indent=1))
     text = render(results, info)
     print(text)
@@ -131,17 +134,20 @@ def main() -> None:
         write_section(args.markdown, SECTION, text)
 
 
-def describe(ckpt: Path, runs: int, dropped: bool, load0: float, cache: str) -> dict[str, object]:
+def describe(ckpt: Path, runs: int, dropped: bool, load0: float, cache: str,
+             n_peer: int) -> dict[str, object]:
     largest, model_bytes, n, ws = largest_tensor(ckpt)
     return {
         "largest": largest, "model_bytes": model_bytes, "tensors": n, "world_size": ws,
         "disk_bytes": sum(e.stat().st_size for e in os.scandir(ckpt)), "runs": runs,
+        "peer_runs": n_peer,
         "dropped": dropped,
         "machine": f"{os.cpu_count()} CPUs, {mem_gib():.0f} GiB RAM, Linux {platform.release()}, "
                    f"Python {platform.python_version()}; 5-min load average {load0:.1f} at start, "
                    f"{os.getloadavg()[1]:.1f} at end (other jobs share the machine)",
         "gen": f"python bench/gen_checkpoint.py {ckpt} --ranks {ws} --size-gb {model_bytes / 1e9:.1f}",
-        "bench": f"python bench/consolidate_bench.py {ckpt} --runs {runs} --cache {cache}",
+        "bench": f"python bench/consolidate_bench.py {ckpt} --runs {runs} --peer-runs {n_peer} "
+                 f"--cache {cache}",
     }
 
 

@@ -31,8 +31,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import mem_gib, record_rss, spawn_ranks, write_section  # noqa: E402
-from _runs import (Results, add_run_options, loads_text, measure,  # noqa: E402
-                   mode_sections, modes_of, select)
+from _runs import (ORDER_NOTE, Results, add_run_options, loads_text, measure,  # noqa: E402
+                   mode_sections, modes_of, peer_runs, select, skip_peers)
 
 SECTION = "## import"
 SHAPES = {"hidden": 2048, "ff": 5632, "heads": 32, "kv_heads": 4, "vocab": 32000}
@@ -189,8 +189,8 @@ def render(results: Results, info: dict) -> str:
              f"float32). Largest tensor: {info['largest'] / 2**20:.0f} MiB in the source, "
              f"{info['largest_fp32'] / 2**20:.0f} MiB as float32. Machine: {info['machine']}. "
              f"{info['runs']} runs per tool and page-cache mode (the peers' way: "
-             f"{info['peer_runs']}), interleaved across tools and modes (the tools' order "
-             "turned each run); min / **median** / max. "
+             f"{info['peer_runs']}), interleaved across tools and modes ({ORDER_NOTE}); "
+             "min / **median** / max. "
              "1-minute load average before the runs (other jobs on the machine): "
              f"{loads_text(results)}. A cast to float32 writes more bytes than it reads: its "
              f"target is against `{CP32}`, a copy of the float32 output of one import made "
@@ -211,8 +211,6 @@ def main() -> None:
     ap.add_argument("--peer-ranks", type=int, default=None, help="ranks of the peers' way "
                     "(default: --to)")
     add_run_options(ap, work="/tmp/ckptool-import-bench")
-    ap.add_argument("--peer-runs", type=int, default=None,
-                    help="runs of the (slow) peers' way (default: --runs)")
     ap.add_argument("--section", default=None, help="markdown heading (default: '## import')")
     ap.add_argument("--gen", type=Path, help="write a source folder here and exit")
     ap.add_argument("--dtype", default="bfloat16", help="--gen: dtype of the tensors")
@@ -231,13 +229,11 @@ def main() -> None:
     cast = f"ckptool import --ranks {args.to}"
     if CP32 in selected:
         float32_reference(args.source, args.work / "fp32-ref", args.to)
-    peer_runs = min(args.peer_runs or args.runs, args.runs)
-    results, dropped = measure(
-        selected, args.source, runs=args.runs, modes=modes_of(args.cache),
-        skip=lambda name, i: name.startswith("from_pretrained") and i >= peer_runs,
-        sources={CP32: args.work / "fp32-ref"})
+    n_peer = peer_runs(args)
+    results, dropped = measure(selected, args.source, runs=args.runs, modes=modes_of(args.cache),
+                               skip=skip_peers(n_peer), sources={CP32: args.work / "fp32-ref"})
     section = args.section or SECTION
-    info = {**describe(args.source), "to": args.to, "runs": args.runs, "peer_runs": peer_runs,
+    info = {**describe(args.source), "to": args.to, "runs": args.runs, "peer_runs": n_peer,
             "baselines": {cast: CP32, f"{cast} --no-verify": CP32},  # the casts
             "dropped": dropped,
             "machine": f"{os.cpu_count()} CPUs, {mem_gib():.0f} GiB RAM, Linux "
@@ -245,7 +241,7 @@ def main() -> None:
     gen = Path(f"{args.source}.gen")
     info["gen"] = gen.read_text() if gen.exists() else "(source not made by --gen)"
     info["bench"] = (f"python bench/import_bench.py {args.source} --to {args.to} --peer-ranks "
-                     f"{peer_ranks} --runs {args.runs} --peer-runs {peer_runs} "
+                     f"{peer_ranks} --runs {args.runs} --peer-runs {n_peer} "
                      f"--cache {args.cache}")
     text = f"{section}\n\n" + render(results, info)
     print(text)

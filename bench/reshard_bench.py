@@ -29,8 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import mem_gib, record_rss, spawn_ranks, write_section  # noqa: E402
-from _runs import (Results, add_run_options, loads_text, measure,  # noqa: E402
-                   mode_sections, modes_of, select)
+from _runs import (ORDER_NOTE, Results, add_run_options, loads_text, measure,  # noqa: E402
+                   mode_sections, modes_of, peer_runs, select, skip_peers)
 
 SECTION = "## reshard"
 
@@ -125,9 +125,10 @@ def render(results: Results, info: dict[str, object]) -> str:
              f"Largest tensor: {info['largest'] / 2**20:.0f} MiB; largest chunk: "
              f"{info['chunk_src'] / 2**20:.0f} MiB in the source, "
              f"{info['chunk_out'] / 2**20:.0f} MiB in the output. Machine: {info['machine']}. "
-             f"{info['runs']} runs per tool and page-cache mode, interleaved across tools and "
-             "modes (the tools' order turned each run); min / **median** / max. 1-minute load average before the runs (other jobs "
-             f"on the machine): {loads_text(results)}.\n"]
+             f"{info['runs']} runs per tool and page-cache mode (DCP's way: "
+             f"{info.get('peer_runs', info['runs'])}), interleaved across tools and modes "
+             f"({ORDER_NOTE}); min / **median** / max. 1-minute load average before the runs "
+             f"(other jobs on the machine): {loads_text(results)}.\n"]
     lines += mode_sections(results, dropped=info["dropped"], largest=info["largest"],
                            versus=("DCP", f"ckptool reshard --to {info['to']}",
                                    "DCP load + save vs `ckptool reshard`"))
@@ -148,15 +149,17 @@ def main() -> None:
         ap.error("CHECKPOINT is required")
     args.work.mkdir(parents=True, exist_ok=True)
     selected = select(tools(args.checkpoint, args.work, args.to), args.only)
+    n_peer = peer_runs(args)
     results, dropped = measure(selected, args.checkpoint, runs=args.runs,
-                               modes=modes_of(args.cache))
-    info = {**describe(args.checkpoint, args.to), "runs": args.runs, "dropped": dropped,
+                               modes=modes_of(args.cache), skip=skip_peers(n_peer))
+    info = {**describe(args.checkpoint, args.to), "runs": args.runs, "peer_runs": n_peer,
+            "dropped": dropped,
             "machine": f"{os.cpu_count()} CPUs, {mem_gib():.0f} GiB RAM, Linux "
                        f"{platform.release()}, Python {platform.python_version()}"}
     info["gen"] = (f"python bench/gen_checkpoint.py {args.checkpoint} --ranks {info['world_size']} "
                    f"--size-gb {info['tensor_bytes'] / 1e9:.1f}")
     info["bench"] = (f"python bench/reshard_bench.py {args.checkpoint} --to {args.to} "
-                     f"--runs {args.runs} --cache {args.cache}")
+                     f"--runs {args.runs} --peer-runs {n_peer} --cache {args.cache}")
     text = render(results, info)
     print(text)
     (args.work / "results.json").write_text(json.dumps({"results": results, "info": info},
