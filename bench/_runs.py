@@ -157,7 +157,7 @@ def versus_line(results: dict[str, list[dict[str, float]]], other: str, main: st
 
 
 #: How the bench texts say the runs were ordered.
-ORDER_NOTE = "the tools' order shuffled for each run (seeded)"
+ORDER_NOTE = "the tools' order shuffled for each run, seeded"
 
 
 def add_run_options(ap, *, work: str) -> None:
