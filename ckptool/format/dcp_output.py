@@ -31,7 +31,7 @@ from ckptool.format.crc import crc32, crc32_combine
 from ckptool.format.dcp_writer import DistcpFile, TensorRecord
 from ckptool.format.dtypes import DType
 from ckptool.format.metadata import METADATA, StorageRef, TensorEntry
-from ckptool.format.torch_records import RecordReader, RecordTemplate, TensorLocation
+from ckptool.format.torch_records import RecordReader, RecordTemplate, TensorLocation, record_outside
 from ckptool.storage import BLOCK, RangeReader, Storage
 
 Item = TypeVar("Item")
@@ -229,13 +229,13 @@ def check_record(reader: RangeReader, ref: StorageRef, expected: Expected,
     shortcut = templates if not data else None
     tpl = shortcut.get(key) if shortcut is not None else None
     if tpl is not None:
-        outside = _outside(reader, ref, tpl.data_start, tpl.loc.nbytes)
+        outside = record_outside(reader, ref, tpl.data_start, tpl.loc.nbytes)
         if outside is not None and tpl.matches(outside) and tpl.crc_ok(outside):
             return tpl.data_crc(outside), tpl.loc.nbytes, tpl.loc.shape
     found, parsed = _check_in_full(reader, ref, expected, buf, data)
     if parsed is not None and shortcut is not None and key not in shortcut:
         rec, loc = parsed
-        outside = _outside(reader, ref, loc.data_offset - ref.offset, loc.nbytes)
+        outside = record_outside(reader, ref, loc.data_offset - ref.offset, loc.nbytes)
         if outside is not None:
             shortcut[key] = RecordTemplate(rec, loc, outside, data_left_out=True)
     return found
@@ -273,15 +273,6 @@ def _check_in_full(reader: RangeReader, ref: StorageRef, expected: Expected, buf
     if problem is not None:
         raise unverified(where, problem)
     return found, parsed
-
-
-def _outside(reader: RangeReader, ref: StorageRef, start: int, size: int) -> bytes | None:
-    """A record's bytes before and after its ``size`` data bytes at ``start`` (relative)."""
-    if start < 0 or start + size > ref.length:
-        return None
-    head = reader.pread(ref.offset, start)
-    tail = reader.pread(ref.offset + start + size, ref.length - start - size)
-    return head + tail if len(head) + len(tail) == ref.length - size else None
 
 
 def read_back_crc(t: TensorEntry, written: dict[str, WrittenFile[Any]]

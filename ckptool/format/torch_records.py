@@ -18,12 +18,14 @@ from typing import Any
 from ckptool.errors import IncompatibleCheckpointError, UnsafeInputError
 from ckptool.format.crc import crc32
 from ckptool.format.dtypes import DType
+from ckptool.format.metadata import StorageRef
 from ckptool.format.pickle_globals import OBJECT_GLOBALS, TENSOR_GLOBALS, SavedBytes, _TensorStub, _storage_pid
 from ckptool.format.safe_pickle import UnsafePickleError, safe_loads
 from ckptool.format.zip_records import ZipEntry, ZipRecord
+from ckptool.storage import RangeReader
 
 __all__ = ["RecordReader", "RecordTemplate", "SavedBytes", "TensorLocation", "ZipEntry",
-           "ZipRecord", "contiguous_strides", "tensor_from_head"]
+           "ZipRecord", "contiguous_strides", "record_outside", "tensor_from_head"]
 
 _LOCAL = b"PK\x03\x04"  # a local zip header's signature
 
@@ -195,6 +197,21 @@ class RecordTemplate:
         if self._data_crc is None:
             return self.loc.entry.crc
         return struct.unpack_from("<I", outside, self._data_crc)[0]
+
+
+def record_outside(reader: RangeReader, ref: StorageRef, start: int, size: int,
+                   view: memoryview | None = None) -> bytes | None:
+    """A record's bytes before and after its ``size`` data bytes at ``start`` (relative to the
+    record): what a ``data_left_out`` template compares. Taken from ``view`` (the record's
+    bytes in memory) where given, else read; None when the record is shorter than that."""
+    if start < 0 or start + size > ref.length:
+        return None
+    if view is not None:
+        head, tail = bytes(view[:start]), bytes(view[start + size:ref.length])
+    else:
+        head = reader.pread(ref.offset, start)
+        tail = reader.pread(ref.offset + start + size, ref.length - start - size)
+    return head + tail if len(head) + len(tail) == ref.length - size else None
 
 
 def tensor_from_head(head: bytes, base: int) -> TensorLocation | None:

@@ -249,29 +249,53 @@ class ZipRecord:
 
     def _entry_crc(self, e: ZipEntry) -> int:
         """CRC-32 of an entry's data: in place where it is in memory, else read in blocks."""
-        pos, crc = self.data_offset(e), 0
-        if self._buf is None:
-            return self._read_crc(pos, e.size, crc, e.name)
-        rel, end = pos - self.ref.offset, pos - self.ref.offset + e.size
-        with memoryview(self._buf) as view:
-            for at in range(rel, end, CRC_WINDOW):
-                n = min(CRC_WINDOW, end - at)
-                if self._resident is None or self._resident(self.ref.offset + at, n):
-                    crc = crc32(view[at:at + n], crc)
-                else:
-                    crc = self._read_crc(self.ref.offset + at, n, crc, e.name)
-        return crc
+        view_at = None
+        if self._buf is not None:
+            base, buf = self.ref.offset, memoryview(self._buf)
+            view_at = lambda pos, n: buf[pos - base:pos - base + n]  # noqa: E731
+        try:
+            return range_crc(self.reader, self.data_offset(e), e.size, view_at=view_at,
+                             resident=self._resident)
+        except EOFError:
+            raise self._bad(f"entry {e.name} is cut short (file truncated)") from None
 
-    def _read_crc(self, pos: int, left: int, crc: int, name: str) -> int:
-        """Continue ``crc`` over ``left`` bytes of the file at ``pos``, read in blocks."""
-        while left:
-            b = self.reader.pread(pos, min(left, BLOCK))
-            if not b:
-                raise self._bad(f"entry {name} is cut short (file truncated)")
-            crc = crc32(b, crc)
-            pos += len(b)
-            left -= len(b)
-        return crc
+
+def range_crc(reader: RangeReader, pos: int, size: int, *,
+              view_at: Callable[[int, int], memoryview] | None = None,
+              resident: Callable[[int, int], bool] | None = None) -> int:
+    """CRC-32 of the bytes ``[pos, pos + size)`` of the file ``reader`` reads.
+
+    With ``view_at(pos, n)`` (the file's bytes already in memory, e.g. mapped), each window of
+    ``CRC_WINDOW`` bytes is checksummed in place, unless ``resident(pos, n)`` says it is not in
+    the page cache: that window is read in blocks instead (large reads beat page faults on a
+    cold cache). Without ``view_at``, everything is read in blocks. Raises ``EOFError`` when
+    the file ends first.
+    """
+    crc, end = 0, pos + size
+    if view_at is None:
+        return _read_crc(reader, pos, size, crc)
+    for at in range(pos, end, CRC_WINDOW):
+        n = min(CRC_WINDOW, end - at)
+        if resident is None or resident(at, n):
+            view = view_at(at, n)
+            if len(view) != n:
+                raise EOFError
+            crc = crc32(view, crc)
+        else:
+            crc = _read_crc(reader, at, n, crc)
+    return crc
+
+
+def _read_crc(reader: RangeReader, pos: int, left: int, crc: int) -> int:
+    """Continue ``crc`` over ``left`` bytes of the file at ``pos``, read in blocks."""
+    while left:
+        b = reader.pread(pos, min(left, BLOCK))
+        if not b:
+            raise EOFError
+        crc = crc32(b, crc)
+        pos += len(b)
+        left -= len(b)
+    return crc
 
 
 def _padding_ok(extra: bytes) -> bool:

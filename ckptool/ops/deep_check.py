@@ -1,9 +1,11 @@
 """``validate --deep``: read every record, parse it, compare it with ``.metadata``, verify its CRC-32.
 
 One worker per file (CRC-32 and the page-cache reads run without the GIL). A local file is
-mapped (``format/mapped_file.py``): CRC-32 reads the cached pages in place, no copy. Records
-shaped like an already verified one are checked against its template (``RecordTemplate``).
-Then the manifest's checksums, and a safetensors checkpoint's consolidated copy.
+mapped (``format/mapped_file.py``): CRC-32 reads the cached pages in place, no copy. A tensor
+record laid out like one already verified in full (in any file: rank r's chunk of a tensor is
+laid out like rank r+1's) is checked against that one's template (``RecordTemplate`` without
+its data): its bytes outside the data compared, its data's CRC-32 computed. Then the
+manifest's checksums, and a safetensors checkpoint's consolidated copy.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from ckptool.errors import (
 from ckptool.format import manifest as mf
 from ckptool.format.mapped_file import MappedFile
 from ckptool.format.metadata import StorageRef, TensorEntry
-from ckptool.format.torch_records import RecordReader, RecordTemplate, TensorLocation
+from ckptool.format.torch_records import RecordReader, RecordTemplate, TensorLocation, record_outside
+from ckptool.format.zip_records import range_crc
 from ckptool.ops.validate_report import Finding, Severity
 from ckptool.storage import BLOCK, RangeReader
 
@@ -33,10 +36,10 @@ if TYPE_CHECKING:
 
 #: --deep reads records up to this size in one call (fewer syscalls for many small tensors).
 DEEP_PRELOAD = 1 << 20
-#: Records up to this size may serve as a layout template (per-record overhead only matters
-#: for small records); at most MAX_TEMPLATES per file, so memory stays bounded.
-TEMPLATE_MAX_BYTES = 256 << 10
-MAX_TEMPLATES = 16
+#: A record whose bytes outside its tensor data are at most this many may serve as a layout
+#: template; at most MAX_TEMPLATES of them (one per record length), so memory stays bounded.
+TEMPLATE_MAX_BYTES = 64 << 10
+MAX_TEMPLATES = 256
 
 Refs = list[tuple[StorageRef, str]]
 
@@ -52,6 +55,8 @@ class DeepCheck:
         self.meta = part.meta
         self.by_file = by_file
         self.progress = progress
+        #: record length -> the verified layout of a tensor record that long (all files)
+        self.templates: dict[int, RecordTemplate] = {}
 
     def run(self) -> list[Finding]:
         """Findings of every file (in file order), then of the manifest and the copy."""
@@ -80,7 +85,6 @@ class DeepCheck:
         """Every record of one file, in file order; a record's first problem is its finding."""
         size = self.part.sizes[rel]
         found: list[Finding] = []
-        templates: dict[int, RecordTemplate] = {}  # record length -> verified layout
         with self.st.reader(rel) as reader:
             mapped = MappedFile.open(reader.fileno)
             try:
@@ -91,7 +95,7 @@ class DeepCheck:
                         found += self._raw(reader, rel, ref, fqn)
                         continue
                     try:
-                        self._record(reader, mapped, rel, ref, fqn, templates)
+                        self._record(reader, mapped, rel, ref, fqn)
                     except CkptError as e:
                         code = e.code if isinstance(e, (ChecksumError, UnsafeInputError)) \
                             else "bad-record"
@@ -103,32 +107,57 @@ class DeepCheck:
         return found
 
     def _record(self, reader: RangeReader, mapped: MappedFile | None, rel: str,
-                ref: StorageRef, fqn: str, templates: dict[int, RecordTemplate]) -> None:
+                ref: StorageRef, fqn: str) -> None:
         """Check one record; raise its first problem."""
         where = f"{self.st.url_of(rel)} (item {fqn})"
         is_tensor = fqn in self.meta.tensors
-        view = mapped.view(ref.offset, ref.length) if mapped is not None else None
-        tpl = templates.get(ref.length) if is_tensor else None
-        if tpl is not None:  # the fast path: same layout as a verified record
-            buf = view if view is not None else reader.pread(ref.offset, ref.length)
-            if tpl.matches(buf):
-                if not tpl.crc_ok(buf):
-                    raise ChecksumError(f"{where}: CRC-32 mismatch in the tensor data: the bytes "
-                                        "are damaged", path=where)
-                self._compare_location(tpl.loc, fqn, ref, where)
-                return
+        if mapped is not None:
+            view = mapped.view(ref.offset, ref.length)
+        elif ref.length <= DEEP_PRELOAD:  # one read for the whole record
+            view = memoryview(reader.pread(ref.offset, ref.length))
+        else:
+            view = None
+        tpl = self.templates.get(ref.length) if is_tensor else None
+        if tpl is not None and self._like(tpl, reader, mapped, view, ref, where):
+            self._compare_location(tpl.loc, fqn, ref, where)
+            return
         rec = RecordReader(reader, ref, where, preload=DEEP_PRELOAD, view=view,
                            resident=mapped.resident if mapped is not None else None)
-        loc = None
-        if fqn in self.meta.objects:
+        if not is_tensor:
             rec.load_object()
-        else:
-            loc = rec.tensor()
-            self._compare_location(loc, fqn, ref, where)
+            rec.verify_crc()
+            return
+        loc = rec.tensor()
+        self._compare_location(loc, fqn, ref, where)
         rec.verify_crc()
-        if (is_tensor and loc is not None and rec._buf is not None
-                and ref.length <= TEMPLATE_MAX_BYTES and len(templates) < MAX_TEMPLATES):
-            templates.setdefault(ref.length, RecordTemplate(rec, loc, bytes(rec._buf)))
+        if len(self.templates) < MAX_TEMPLATES and ref.length not in self.templates:
+            outside = record_outside(reader, ref, loc.data_offset - ref.offset, loc.entry.size,
+                                     view)
+            if outside is not None and len(outside) <= TEMPLATE_MAX_BYTES:
+                self.templates.setdefault(
+                    ref.length, RecordTemplate(rec, loc, outside, data_left_out=True))
+
+    def _like(self, tpl: RecordTemplate, reader: RangeReader, mapped: MappedFile | None,
+              view: memoryview | None, ref: StorageRef, where: str) -> bool:
+        """Is the record laid out like the verified ``tpl``, but for its data and serialization
+        id (whose CRC-32s must then agree)? Then its data's CRC-32 is checked here (a mismatch
+        raises); False: it is to be parsed in full."""
+        size = tpl.loc.entry.size
+        outside = record_outside(reader, ref, tpl.data_start, size, view)
+        if outside is None or not tpl.matches(outside) or not tpl.crc_ok(outside):
+            return False
+        view_at = None
+        if view is not None:
+            view_at = lambda pos, n: view[pos - ref.offset:pos - ref.offset + n]  # noqa: E731
+        try:
+            crc = range_crc(reader, ref.offset + tpl.data_start, size, view_at=view_at,
+                            resident=mapped.resident if mapped is not None else None)
+        except EOFError:
+            return False  # the full parse says where the file ends
+        if crc != tpl.data_crc(outside):
+            raise ChecksumError(f"{where}: CRC-32 mismatch in the tensor data: the bytes are "
+                                "damaged", path=where)
+        return True
 
     def _raw(self, reader: RangeReader, rel: str, ref: StorageRef, fqn: str) -> list[Finding]:
         """A safetensors range has no checksum: check every byte of it can be read."""
