@@ -249,10 +249,13 @@ class ZipRecord:
 
     def _entry_crc(self, e: ZipEntry) -> int:
         """CRC-32 of an entry's data: in place where it is in memory, else read in blocks."""
-        view_at = None
-        if self._buf is not None:
-            base, buf = self.ref.offset, memoryview(self._buf)
-            view_at = lambda pos, n: buf[pos - base:pos - base + n]  # noqa: E731
+        if self._buf is None:
+            return self._range_crc(e, None)
+        with memoryview(self._buf) as buf:  # released here, before a mapping is closed
+            base = self.ref.offset
+            return self._range_crc(e, lambda pos, n: buf[pos - base:pos - base + n])
+
+    def _range_crc(self, e: ZipEntry, view_at: Callable[[int, int], memoryview] | None) -> int:
         try:
             return range_crc(self.reader, self.data_offset(e), e.size, view_at=view_at,
                              resident=self._resident)

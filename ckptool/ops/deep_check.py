@@ -34,7 +34,8 @@ if TYPE_CHECKING:
     from ckptool.format.reader import CheckpointReader
     from ckptool.ops.validate import _PartCheck
 
-#: --deep reads records up to this size in one call (fewer syscalls for many small tensors).
+#: --deep reads records up to this size in one call where the file is not mapped (fewer
+#: syscalls, or requests, for many small tensors).
 DEEP_PRELOAD = 1 << 20
 #: A record whose bytes outside its tensor data are at most this many may serve as a layout
 #: template; at most MAX_TEMPLATES of them (one per record length), so memory stays bounded.
@@ -121,7 +122,7 @@ class DeepCheck:
         if tpl is not None and self._like(tpl, reader, mapped, view, ref, where):
             self._compare_location(tpl.loc, fqn, ref, where)
             return
-        rec = RecordReader(reader, ref, where, preload=DEEP_PRELOAD, view=view,
+        rec = RecordReader(reader, ref, where, view=view,
                            resident=mapped.resident if mapped is not None else None)
         if not is_tensor:
             rec.load_object()
