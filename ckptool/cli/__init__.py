@@ -12,7 +12,6 @@ import importlib
 import logging
 import os
 import sys
-import traceback
 
 import click
 
@@ -95,6 +94,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def report_error(e: BaseException) -> None:
     if os.environ.get("CKPTOOL_DEBUG"):
+        import traceback
+
         traceback.print_exception(e)
     msg = " ".join(str(e).split())  # always one line
     click.echo(f"error: {msg}", err=True)

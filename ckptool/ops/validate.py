@@ -33,7 +33,6 @@ from ckptool.format import manifest as mf
 from ckptool.format.checkpoint_dirs import CheckpointDir, resolve_checkpoint
 from ckptool.format.metadata import CheckpointMetadata, StorageRef, read_metadata
 from ckptool.ops.chunk_geometry import check_geometry
-from ckptool.ops.deep_check import DeepCheck
 from ckptool.ops.validate_report import Finding, Report, Severity
 from ckptool.storage import Storage
 
@@ -176,6 +175,8 @@ class _PartCheck:
                 self.add("missing-storage", f"{o.fqn} has no storage entry in .metadata", fqn=o.fqn)
         self._check_manifest()
         if self.deep and self.meta is not None:
+            from ckptool.ops.deep_check import DeepCheck  # (threads, mappings: --deep only)
+
             self.findings += DeepCheck(self, self._records_by_file(), self.progress).run()
 
     def _read_safetensors(self, found: sts.Found) -> None:

@@ -29,6 +29,17 @@ def test_version_and_help_do_not_import_torch():
     assert res.output.strip() == f"ckptool, version {__version__}"
 
 
+def test_structural_validate_loads_only_what_it_uses(single_ckpt):
+    """``validate`` without --deep starts without the deep check's threads and mappings, or
+    the file removal a reading command never does (start-up time)."""
+    code = ("import sys; from ckptool.cli import main; sys.argv = ['ckptool', 'validate', "
+            f"{str(single_ckpt)!r}]\ntry:\n    main()\nexcept SystemExit as e:\n"
+            "    assert e.code == 0, e.code\n"
+            "loaded = [m for m in ('ckptool.ops.deep_check', 'concurrent.futures', 'mmap', "
+            "'shutil', 'torch') if m in sys.modules]\nassert not loaded, loaded")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_ckpt_error_is_one_line_exit_1(tmp_path):
     proc = _run("inspect", str(tmp_path / "nope"))
     assert proc.returncode == 1
