@@ -39,6 +39,8 @@ CP_RATIO = 1.15
 #: issue 15: peak RSS <= the largest tensor + this many MiB.
 RSS_SLACK_MIB = 64
 CP = "cp -r"
+#: Seconds each run waits after the last output was deleted and the cache dropped or warmed.
+SETTLE_S = 5
 
 Tools = dict[str, tuple[list[str], Path]]
 Results = dict[str, dict[str, list[dict[str, float]]]]  # mode -> tool -> runs
@@ -165,8 +167,6 @@ def versus_line(results: dict[str, list[dict[str, float]]], other: str, main: st
 
 
 #: How the bench texts say the runs were ordered.
-#: Seconds each run waits after the last output was deleted and the cache dropped or warmed.
-SETTLE_S = 5
 ORDER_NOTE = (f"the tools' order shuffled for each run, seeded; each run started {SETTLE_S} s "
               "after the last output was deleted and the cache dropped or warmed, once the "
               "host had taken back the freed memory")

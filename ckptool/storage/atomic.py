@@ -24,7 +24,7 @@ def atomic_path(dst: str | os.PathLike[str]) -> Iterator[Path]:
     On any exception the temporary file or folder is removed, so a failure never leaves
     output that looks valid. ``dst`` itself is replaced only at the very end.
     """
-    import shutil  # (imported here: a command that reads only starts faster)
+    import shutil  # (here: a command that only reads starts faster)
 
     dst = Path(dst)
     tmp = dst.with_name(f".{dst.name}.tmp-{uuid.uuid4().hex[:8]}")

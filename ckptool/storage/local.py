@@ -118,7 +118,7 @@ class LocalBackend:
 
     def remove_tree(self, path: str) -> None:
         if os.path.isdir(path) and not os.path.islink(path):
-            import shutil  # (here: a command that reads only starts faster)
+            import shutil  # (here: a command that only reads starts faster)
 
             shutil.rmtree(path, ignore_errors=True)
         elif os.path.lexists(path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import textwrap
 
 from click.testing import CliRunner
 
@@ -32,11 +33,18 @@ def test_version_and_help_do_not_import_torch():
 def test_structural_validate_loads_only_what_it_uses(single_ckpt):
     """``validate`` without --deep starts without the deep check's threads and mappings, or
     the file removal a reading command never does (start-up time)."""
-    code = ("import sys; from ckptool.cli import main; sys.argv = ['ckptool', 'validate', "
-            f"{str(single_ckpt)!r}]\ntry:\n    main()\nexcept SystemExit as e:\n"
-            "    assert e.code == 0, e.code\n"
-            "loaded = [m for m in ('ckptool.ops.deep_check', 'concurrent.futures', 'mmap', "
-            "'shutil', 'torch') if m in sys.modules]\nassert not loaded, loaded")
+    code = textwrap.dedent(f"""
+        import sys
+        from ckptool.cli import main
+        sys.argv = ["ckptool", "validate", {str(single_ckpt)!r}]
+        try:
+            main()
+        except SystemExit as e:
+            assert e.code == 0, e.code
+        loaded = [m for m in ("ckptool.ops.deep_check", "concurrent.futures", "mmap", "shutil",
+                              "torch") if m in sys.modules]
+        assert not loaded, loaded
+        """)
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
